@@ -1,0 +1,110 @@
+"""How one cached K or V stream is stored: element dtype, scale grouping and scale dtype.
+
+Pools, kernels and the byte arithmetic of the planner all derive sizes from this one class, so
+the bytes the runtime allocates and the bytes the planner predicts cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+ELEMENT_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "fp4": 4}
+QUANTIZED_DTYPES: tuple[str, ...] = ("fp8", "fp4")
+SCALE_BYTES: dict[str, int] = {"fp16": 2, "e4m3": 1}
+MAX_CODE: dict[str, float] = {"fp8": 448.0, "fp4": 6.0}
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    """Storage format of one K or V stream.
+
+    dtype: fp32 | fp16 | bf16 (stored as is) or fp8 (E4M3) | fp4 (E2M1, two codes a byte:
+        element 2i in the low nibble, element 2i+1 in the high nibble).
+    group_size: elements along head_dim sharing one scale; None means one fp32 scale for the
+        whole tensor (per layer and per K/V, as vLLM's fp8 cache). Ignored when unquantized.
+    scale_dtype: fp16, or e4m3 (NVFP4-style: E4M3 group scales times an fp32 tensor scale).
+    """
+
+    dtype: str
+    group_size: int | None = None
+    scale_dtype: str = "fp16"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ELEMENT_BITS:
+            raise ValueError(f"dtype={self.dtype!r}: allowed {sorted(ELEMENT_BITS)}")
+        if self.scale_dtype not in SCALE_BYTES:
+            raise ValueError(f"scale_dtype={self.scale_dtype!r}: allowed {sorted(SCALE_BYTES)}")
+        if not self.quantized:
+            object.__setattr__(self, "group_size", None)
+        elif self.group_size is not None and self.group_size <= 0:
+            raise ValueError(f"group_size={self.group_size!r}: must be a positive int or None")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in QUANTIZED_DTYPES
+
+    @property
+    def max_code(self) -> float:
+        """Largest representable magnitude of the element code (448 for E4M3, 6 for E2M1)."""
+        return MAX_CODE[self.dtype]
+
+    def check_head_dim(self, head_dim: int) -> None:
+        """Raise if this format cannot store vectors of head_dim elements."""
+        if self.dtype == "fp4" and head_dim % 2:
+            raise ValueError(f"head_dim={head_dim}: fp4 packs two codes a byte, needs an even size")
+        if self.group_size is not None and head_dim % self.group_size:
+            raise ValueError(f"group_size={self.group_size}: must divide head_dim={head_dim}")
+
+    def code_bytes(self, head_dim: int) -> int:
+        """Bytes of element codes for one vector of head_dim elements."""
+        return head_dim * ELEMENT_BITS[self.dtype] // 8
+
+    def scales_per_vector(self, head_dim: int) -> int:
+        """Number of stored group scales for one vector (0 for per-tensor or unquantized)."""
+        if self.group_size is None:
+            return 0
+        return head_dim // self.group_size
+
+    def vector_bytes(self, head_dim: int) -> int:
+        """Bytes one cached vector (one token, one head) costs: codes plus its group scales."""
+        self.check_head_dim(head_dim)
+        scale_bytes = self.scales_per_vector(head_dim) * SCALE_BYTES[self.scale_dtype]
+        return self.code_bytes(head_dim) + scale_bytes
+
+    @property
+    def code_torch_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.quantized else TORCH_DTYPES[self.dtype]
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        return torch.float16 if self.scale_dtype == "fp16" else torch.uint8
+
+    def allocate(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Allocate a paged pool: codes [blocks, block_size, heads, code width] and scales
+        [blocks, block_size, heads, groups] (None when the format keeps no group scales)."""
+        self.check_head_dim(head_dim)
+        width = head_dim if not self.quantized else self.code_bytes(head_dim)
+        codes = torch.zeros(
+            num_blocks, block_size, num_heads, width, dtype=self.code_torch_dtype, device=device
+        )
+        groups = self.scales_per_vector(head_dim)
+        if groups == 0:
+            return codes, None
+        scales = torch.zeros(
+            num_blocks, block_size, num_heads, groups, dtype=self.scale_torch_dtype, device=device
+        )
+        return codes, scales

@@ -1,0 +1,146 @@
+"""KV-cache byte arithmetic shared by the planner and the runtime's allocator.
+
+The runtime sizes its pools and counts a sequence's blocks with these functions, and the planner
+reports the same numbers, so the two cannot disagree. Units: bytes and tokens.
+
+Physical layout of one sequence of T tokens (DESIGN.md sections 1 and 3):
+- without compression (csa_ratio 1): one exact stream of T tokens;
+- with compression: a sink stream (positions [0, S)), a window stream (the rest, minus the
+  blocks already compressed) and a summary stream. A whole window block is pooled into
+  block_size / r summaries once all its tokens are older than the W most recent ones, so the
+  window holds between W and W + block_size - 1 tokens once T - S > W.
+Each stream is rounded up to whole blocks. With recent_unquantized = R > 0, a block of an exact
+stream stays in fp16 while it holds any of the last R tokens; older blocks use the layer's
+format. Summaries always use the layer's format.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernels.kv_format import KVFormat
+from runtime.arch import ModelArch
+from runtime.policy import KVPolicy
+
+RECENT_DTYPE = "fp16"
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class StreamExtent:
+    """Tokens [start, start + length) of a sequence stored contiguously in one paged stream."""
+
+    start: int
+    length: int
+
+
+@dataclass(frozen=True)
+class SequenceBlocks:
+    """Blocks one sequence holds in every layer, by storage class."""
+
+    quantized: int
+    recent: int
+    summary: int
+
+    @property
+    def total(self) -> int:
+        return self.quantized + self.recent + self.summary
+
+
+def exact_extents(policy: KVPolicy, num_tokens: int) -> list[StreamExtent]:
+    """The exact (uncompressed) streams of a sequence of num_tokens tokens."""
+    if not policy.compressed:
+        return [StreamExtent(0, num_tokens)]
+    sinks = min(policy.csa_sinks, num_tokens)
+    window_start = sinks + compressed_blocks(policy, num_tokens) * policy.block_size
+    return [StreamExtent(0, sinks), StreamExtent(window_start, num_tokens - window_start)]
+
+
+def compressed_blocks(policy: KVPolicy, num_tokens: int) -> int:
+    """Window blocks already pooled into summaries for a sequence of num_tokens tokens."""
+    if not policy.compressed:
+        return 0
+    after_sinks = max(0, num_tokens - policy.csa_sinks)
+    return max(0, after_sinks - policy.csa_window) // policy.block_size
+
+
+def summary_tokens(policy: KVPolicy, num_tokens: int) -> int:
+    return compressed_blocks(policy, num_tokens) * policy.block_size // policy.csa_ratio
+
+
+def recent_blocks_of(extent: StreamExtent, block_size: int, num_tokens: int, recent: int) -> int:
+    """Blocks of an exact stream that hold any of the last `recent` tokens (kept in fp16)."""
+    blocks = ceil_div(extent.length, block_size)
+    if recent <= 0 or blocks == 0:
+        return 0
+    older_than_recent = num_tokens - recent - extent.start
+    full_blocks_recent = max(0, (blocks - 1) - max(0, older_than_recent // block_size))
+    last_block_recent = int(extent.length > older_than_recent)
+    return full_blocks_recent + last_block_recent
+
+
+def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
+    """Blocks per layer a sequence of num_tokens tokens occupies under the policy."""
+    bs = policy.block_size
+    quantized = recent = 0
+    for extent in exact_extents(policy, num_tokens):
+        in_recent = recent_blocks_of(extent, bs, num_tokens, policy.recent_unquantized)
+        recent += in_recent
+        quantized += ceil_div(extent.length, bs) - in_recent
+    summary = ceil_div(summary_tokens(policy, num_tokens), bs)
+    return SequenceBlocks(quantized=quantized, recent=recent, summary=summary)
+
+
+@dataclass(frozen=True)
+class LayerFormats:
+    """Storage formats of one layer: K and V in the layer's dtypes, and the fp16 recent region."""
+
+    k: KVFormat
+    v: KVFormat
+    k_recent: KVFormat
+    v_recent: KVFormat
+
+
+def _recent_format(fmt: KVFormat) -> KVFormat:
+    return KVFormat(RECENT_DTYPE) if fmt.quantized else fmt
+
+
+def layer_formats(arch: ModelArch, policy: KVPolicy) -> list[LayerFormats]:
+    """Per-layer storage formats; validates the policy against the model first."""
+    policy.check_model(arch)
+    formats = []
+    for k_dtype, v_dtype in policy.layer_pairs(arch.num_layers):
+        k = policy.kv_format(k_dtype, arch.dtype)
+        v = policy.kv_format(v_dtype, arch.dtype)
+        formats.append(LayerFormats(k, v, _recent_format(k), _recent_format(v)))
+    return formats
+
+
+def token_bytes(arch: ModelArch, k: KVFormat, v: KVFormat) -> int:
+    """Bytes one token costs in one layer with K in format k and V in format v."""
+    size = arch.cached_vector_size
+    if arch.is_mla:
+        return k.vector_bytes(size)
+    return arch.cached_heads * (k.vector_bytes(size) + v.vector_bytes(size))
+
+
+def kv_bytes_per_token(arch: ModelArch, policy: KVPolicy) -> int:
+    """Bytes one token adds at full fidelity under the policy's dtypes, summed over layers."""
+    return sum(token_bytes(arch, f.k, f.v) for f in layer_formats(arch, policy))
+
+
+def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
+    """Bytes the paged cache holds for one sequence of num_tokens tokens, all layers."""
+    blocks = sequence_blocks(policy, num_tokens)
+    bs = policy.block_size
+    total = 0
+    for f in layer_formats(arch, policy):
+        layer_token = token_bytes(arch, f.k, f.v)
+        recent_token = token_bytes(arch, f.k_recent, f.v_recent)
+        total += bs * (
+            (blocks.quantized + blocks.summary) * layer_token + blocks.recent * recent_token
+        )
+    return total

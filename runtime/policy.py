@@ -1,0 +1,219 @@
+"""KVPolicy: the tunable KV-cache settings, validated once for every entry point.
+
+The CLI, the runtime, the tuner and the exporter all build a KVPolicy, so a bad value is refused
+with the same one-line message everywhere, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kernels.kv_format import KVFormat
+from runtime.arch import ModelArch
+from runtime.errors import ConfigError
+
+KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp8", "fp4")
+SCALE_DTYPES: tuple[str, ...] = ("fp16", "e4m3")
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
+PER_TENSOR = "tensor"
+
+
+def _field(name: str) -> str:
+    return f"policy.{name}"
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(_field(name), value, f"an integer >= {minimum}")
+    return value
+
+
+def _check_dtype(name: str, value: object) -> str:
+    if value not in KV_DTYPES:
+        raise ConfigError(_field(name), value, f"one of {', '.join(KV_DTYPES)}")
+    return str(value)
+
+
+def _parse_layer_pair(index: int, pair: object) -> str:
+    """Normalise one per-layer entry "K/V" (for example "fp8/fp4")."""
+    name = f"layer_dtypes[{index}]"
+    parts = pair.split("/") if isinstance(pair, str) else []
+    if len(parts) != 2:
+        raise ConfigError(_field(name), pair, 'a "K/V" pair such as "fp8/fp4"')
+    k_dtype, v_dtype = (part.strip() for part in parts)
+    for dtype in (k_dtype, v_dtype):
+        if dtype not in KV_DTYPES:
+            raise ConfigError(_field(name), pair, f"K and V each one of {', '.join(KV_DTYPES)}")
+    return f"{k_dtype}/{v_dtype}"
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """Tunable KV-cache policy.
+
+    k_dtype, v_dtype: default element format of keys and values in every layer
+        (auto = the model's compute dtype, the exact reference path).
+    layer_dtypes: optional "K/V" pair per layer overriding the defaults, e.g. ("fp8/fp4", ...).
+    group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
+        and per K/V. Only quantized (fp8/fp4) streams store scales.
+    scale_dtype: fp16 group scales, or e4m3 (NVFP4-style, with an fp32 per-tensor scale).
+    recent_unquantized: the most recent tokens kept in fp16 (0 = none); a block is quantized
+        once it holds none of them.
+    csa_ratio: tokens pooled into one summary K/V (1 = no compression).
+    csa_window: the most recent tokens kept exact when compressing.
+    csa_sinks: the first tokens kept exact when compressing.
+    block_size: tokens a paged block holds.
+    chunk_size: prefill chunk in tokens, a multiple of block_size.
+    """
+
+    k_dtype: str = "fp16"
+    v_dtype: str = "fp16"
+    layer_dtypes: tuple[str, ...] | None = None
+    group_size: int | str = 32
+    scale_dtype: str = "fp16"
+    recent_unquantized: int = 0
+    csa_ratio: int = 1
+    csa_window: int = 512
+    csa_sinks: int = 16
+    block_size: int = 16
+    chunk_size: int = 512
+
+    def __post_init__(self) -> None:
+        _check_dtype("k_dtype", self.k_dtype)
+        _check_dtype("v_dtype", self.v_dtype)
+        if self.layer_dtypes is not None:
+            if isinstance(self.layer_dtypes, str) or not isinstance(self.layer_dtypes, Sequence):
+                raise ConfigError(
+                    _field("layer_dtypes"), self.layer_dtypes, 'a list of "K/V" pairs, or null'
+                )
+            pairs = tuple(_parse_layer_pair(i, p) for i, p in enumerate(self.layer_dtypes))
+            object.__setattr__(self, "layer_dtypes", pairs or None)
+        object.__setattr__(self, "group_size", self._normalised_group_size())
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ConfigError(
+                _field("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
+            )
+        _check_int("recent_unquantized", self.recent_unquantized, 0)
+        _check_int("csa_window", self.csa_window, 0)
+        _check_int("csa_sinks", self.csa_sinks, 0)
+        if self.block_size not in BLOCK_SIZES or isinstance(self.block_size, bool):
+            raise ConfigError(
+                _field("block_size"), self.block_size, f"one of {', '.join(map(str, BLOCK_SIZES))}"
+            )
+        _check_int("chunk_size", self.chunk_size, 1)
+        if self.chunk_size % self.block_size:
+            raise ConfigError(
+                _field("chunk_size"),
+                self.chunk_size,
+                f"a multiple of block_size={self.block_size} (pages must stay aligned)",
+            )
+        self._check_compression()
+
+    def _normalised_group_size(self) -> int | str:
+        value = self.group_size
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if value == PER_TENSOR:
+            return PER_TENSOR
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(
+                _field("group_size"),
+                self.group_size,
+                f'a positive integer dividing head_dim, or "{PER_TENSOR}"',
+            )
+        return value
+
+    def _check_compression(self) -> None:
+        ratio = self.csa_ratio
+        ratios = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= self.block_size]
+        if ratio not in ratios or isinstance(ratio, bool):
+            raise ConfigError(
+                _field("csa_ratio"),
+                ratio,
+                f"a power of two up to block_size={self.block_size}: {', '.join(map(str, ratios))}",
+            )
+        if ratio > 1 and self.csa_window < self.block_size:
+            raise ConfigError(
+                _field("csa_window"),
+                self.csa_window,
+                f">= block_size={self.block_size} when csa_ratio > 1 "
+                "(whole blocks leave the window)",
+            )
+
+    @property
+    def compressed(self) -> bool:
+        return self.csa_ratio > 1
+
+    def layer_pairs(self, num_layers: int) -> list[tuple[str, str]]:
+        """(K dtype, V dtype) of every layer, with the per-layer overrides applied."""
+        if self.layer_dtypes is None:
+            return [(self.k_dtype, self.v_dtype)] * num_layers
+        if len(self.layer_dtypes) != num_layers:
+            raise ConfigError(
+                _field("layer_dtypes"),
+                f"<{len(self.layer_dtypes)} entries>",
+                f"exactly one K/V pair per layer: the model has {num_layers} layers",
+            )
+        return [tuple(pair.split("/")) for pair in self.layer_dtypes]  # type: ignore[misc]
+
+    def kv_format(self, dtype: str, auto_dtype: str) -> KVFormat:
+        """Storage format of a stream whose element dtype is `dtype` (auto -> the model's)."""
+        group = None if self.group_size == PER_TENSOR else self.group_size
+        element = auto_dtype if dtype == "auto" else dtype
+        return KVFormat(element, group, self.scale_dtype)
+
+    def check_model(self, arch: ModelArch) -> None:
+        """Refuse settings this model cannot hold (before its weights are loaded)."""
+        pairs = self.layer_pairs(arch.num_layers)
+        size = arch.cached_vector_size
+        if isinstance(self.group_size, int) and size % self.group_size:
+            divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
+            allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
+            raise ConfigError(
+                _field("group_size"), self.group_size, f"must divide head_dim={size}: {allowed}"
+            )
+        if arch.is_mla and any(k != v for k, v in pairs):
+            raise ConfigError(
+                _field("v_dtype"),
+                self.v_dtype,
+                "equal to k_dtype in every layer: an MLA model caches one latent for K and V",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (lists, ints, strings) for YAML, MLflow params and Hydra."""
+        data = dataclasses.asdict(self)
+        if self.layer_dtypes is not None:
+            data["layer_dtypes"] = list(self.layer_dtypes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVPolicy:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(
+                    _field(str(key)), data[key], f"unknown field; known: {', '.join(sorted(known))}"
+                )
+        values = dict(data)
+        if isinstance(values.get("layer_dtypes"), list):
+            values["layer_dtypes"] = tuple(values["layer_dtypes"])
+        return cls(**values)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> KVPolicy:
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError("policy", data, "a YAML mapping of policy fields")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> KVPolicy:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)

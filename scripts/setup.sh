@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Create the project's virtual environment (.venv) with kvtune and its pinned dependencies.
+# Idempotent and quick when pyproject.toml has not changed since the last install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python=$(command -v python3.11 || command -v python3)
+stamp=.venv/.kvtune-installed
+wanted=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$wanted" ]; then
+    exit 0
+fi
+
+echo "setup: installing kvtune into .venv (first run takes several minutes)" >&2
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+# The CPU build of torch first, so that no dependency pulls a multi-GB CUDA build.
+.venv/bin/pip install -q torch==2.13.0
+.venv/bin/pip install -q -e ".[dev]"
+echo "$wanted" > "$stamp"

@@ -1,0 +1,132 @@
+"""Byte arithmetic against sums worked out by hand from DESIGN.md section 1."""
+
+import pytest
+
+from runtime.arch import ModelArch
+from runtime.kv_bytes import (
+    SequenceBlocks,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    sequence_blocks,
+)
+from runtime.policy import KVPolicy
+
+# SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
+SMOL = ModelArch("smol", 30, 9, 3, 64, 0, 8192)
+# DeepSeek V3: 61 layers caching a 512 + 64 element latent.
+DSV3 = ModelArch("dsv3", 61, 128, 128, 192, 0, 163840, kv_lora_rank=512, qk_rope_head_dim=64)
+FP16_TOKEN = 30 * 3 * 64 * 2 * 2  # K and V, 2 bytes an element: 23,040
+
+
+def test_dense_fp16_rounds_up_to_whole_blocks():
+    assert kv_bytes_per_token(SMOL, KVPolicy()) == 23040
+    # 1000 tokens in blocks of 16: 63 blocks hold 1008 token slots.
+    assert kv_bytes_per_sequence(SMOL, KVPolicy(), 1000) == 1008 * 23040
+    assert kv_bytes_per_sequence(SMOL, KVPolicy(block_size=64), 1000) == 1024 * 23040
+    assert kv_bytes_per_sequence(SMOL, KVPolicy(), 17) == 32 * 23040
+    assert kv_bytes_per_sequence(SMOL, KVPolicy(), 0) == 0
+
+
+def test_the_design_example_llama_61_layers():
+    arch = ModelArch("example", 61, 64, 8, 128, 0, 131072)
+    assert kv_bytes_per_token(arch, KVPolicy()) == 249856
+    assert kv_bytes_per_sequence(arch, KVPolicy(), 131072) == 32749125632
+
+
+def test_fp8_per_tensor_has_no_per_token_scales():
+    policy = KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size="tensor")
+    assert kv_bytes_per_token(SMOL, policy) == 30 * 3 * 64 * 2  # 11,520
+
+
+@pytest.mark.parametrize(("scale_dtype", "scale_bytes"), [("e4m3", 1), ("fp16", 2)])
+def test_fp4_group16_counts_packed_codes_and_scales(scale_dtype, scale_bytes):
+    policy = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=16, scale_dtype=scale_dtype)
+    vector = 64 // 2 + (64 // 16) * scale_bytes  # 32 code bytes + 4 scales
+    assert kv_bytes_per_token(SMOL, policy) == 30 * 3 * 2 * vector
+
+
+def test_mixed_k_and_v_and_per_layer_overrides():
+    policy = KVPolicy(k_dtype="fp8", v_dtype="fp4", group_size=32, scale_dtype="fp16")
+    k_vector, v_vector = 64 + 2 * 2, 32 + 2 * 2
+    assert kv_bytes_per_token(SMOL, policy) == 30 * 3 * (k_vector + v_vector)
+    layers = ("fp16/fp16",) * 10 + ("fp8/fp4",) * 20
+    mixed = policy.replace(layer_dtypes=layers)
+    expected = 10 * 3 * 64 * 2 * 2 + 20 * 3 * (k_vector + v_vector)
+    assert kv_bytes_per_token(SMOL, mixed) == expected
+
+
+def test_auto_uses_the_models_compute_dtype():
+    fp32_model = ModelArch("smol32", 30, 9, 3, 64, 0, 8192, dtype="fp32")
+    assert (
+        kv_bytes_per_token(fp32_model, KVPolicy(k_dtype="auto", v_dtype="auto")) == 2 * FP16_TOKEN
+    )
+
+
+@pytest.mark.parametrize(
+    ("tokens", "sink_blocks", "window_blocks", "summary_blocks"),
+    [
+        (300, 1, 18, 0),  # inside the window: 16 sinks + 284 window tokens
+        (543, 1, 33, 0),  # 527 after the sinks: one token short of a whole block past W
+        (544, 1, 32, 1),  # one block (16 tokens) pooled into 4 summaries
+        (2000, 1, 32, 23),  # 92 blocks pooled: 1472 tokens -> 368 summaries -> 23 blocks
+        (10, 1, 0, 0),  # shorter than the sinks
+    ],
+)
+def test_csa_streams_at_lengths_inside_and_past_the_window(
+    tokens, sink_blocks, window_blocks, summary_blocks
+):
+    policy = KVPolicy(csa_ratio=4, csa_sinks=16, csa_window=512, block_size=16)
+    blocks = sequence_blocks(policy, tokens)
+    assert blocks.quantized == sink_blocks + window_blocks
+    assert blocks.summary == summary_blocks
+    assert blocks.recent == 0
+    expected = (sink_blocks + window_blocks + summary_blocks) * 16 * FP16_TOKEN
+    assert kv_bytes_per_sequence(SMOL, policy, tokens) == expected
+
+
+def test_csa_with_unaligned_sinks_keeps_them_in_their_own_block():
+    policy = KVPolicy(csa_ratio=2, csa_sinks=4, csa_window=64, block_size=16)
+    # 200 tokens: 4 sinks (1 block); 196 after them; (196 - 64) // 16 = 8 blocks pooled
+    # (128 tokens -> 64 summaries = 4 blocks); window keeps 68 tokens = 5 blocks.
+    assert sequence_blocks(policy, 200).total == 1 + 5 + 4
+
+
+def test_recent_tokens_stay_fp16_block_by_block():
+    policy = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=16, recent_unquantized=100)
+    quantized_token = 30 * 3 * 2 * (32 + 4 * 2)
+    # 1000 tokens = 63 blocks; the last 100 tokens (900..999) touch blocks 56..62.
+    blocks = sequence_blocks(policy, 1000)
+    assert (blocks.quantized, blocks.recent) == (56, 7)
+    assert kv_bytes_per_sequence(SMOL, policy, 1000) == 16 * (56 * quantized_token + 7 * FP16_TOKEN)
+    # Shorter than the recent region: everything stays fp16.
+    assert kv_bytes_per_sequence(SMOL, policy, 50) == 64 * FP16_TOKEN
+
+
+def test_recent_region_with_compression_covers_sinks_only_when_they_are_recent():
+    policy = KVPolicy(
+        k_dtype="fp8",
+        v_dtype="fp8",
+        group_size="tensor",
+        recent_unquantized=32,
+        csa_ratio=4,
+        csa_sinks=16,
+        csa_window=64,
+        block_size=16,
+    )
+    # 40 tokens: the sink block (0..15) holds token 8..15 of the last 32 -> fp16;
+    # the window (16..39) is 2 blocks, both recent.
+    assert sequence_blocks(policy, 40) == SequenceBlocks(quantized=0, recent=3, summary=0)
+    # 200 tokens: sinks old; window keeps 184 - (184 - 64) // 16 * 16 = 72 tokens in 5
+    # blocks starting at 128: blocks 128..143, .., 192..199; last 32 tokens 168..199
+    # touch the blocks starting at 160, 176 and 192.
+    blocks = sequence_blocks(policy, 200)
+    assert (blocks.quantized, blocks.recent, blocks.summary) == (1 + 2, 3, 2)
+
+
+def test_mla_caches_one_latent_a_token_and_layer():
+    assert kv_bytes_per_token(DSV3, KVPolicy()) == 61 * 576 * 2
+    fp8 = KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size="tensor")
+    assert kv_bytes_per_token(DSV3, fp8) == 61 * 576
+    fp4 = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=64, scale_dtype="e4m3")
+    assert kv_bytes_per_token(DSV3, fp4) == 61 * (288 + 9)
+    assert kv_bytes_per_sequence(DSV3, KVPolicy(), 4096) == 4096 * 61 * 576 * 2

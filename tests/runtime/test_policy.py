@@ -1,0 +1,103 @@
+"""KVPolicy validation and its dict/YAML round trip."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runtime.arch import ModelArch
+from runtime.errors import ConfigError
+from runtime.policy import KVPolicy
+
+SMOL = ModelArch("smol", 30, 9, 3, 64, 0, 8192)
+MLA = ModelArch("mla", 4, 16, 16, 192, 0, 4096, kv_lora_rank=512, qk_rope_head_dim=64)
+CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"k_dtype": "int4"}, "policy.k_dtype"),
+        ({"v_dtype": "fp6"}, "policy.v_dtype"),
+        ({"layer_dtypes": ["fp8/fp4", "fp8"]}, "policy.layer_dtypes[1]"),
+        ({"layer_dtypes": ["fp8/int8"]}, "policy.layer_dtypes[0]"),
+        ({"layer_dtypes": "fp8/fp4"}, "policy.layer_dtypes"),
+        ({"group_size": 0}, "policy.group_size"),
+        ({"group_size": "row"}, "policy.group_size"),
+        ({"scale_dtype": "fp32"}, "policy.scale_dtype"),
+        ({"recent_unquantized": -1}, "policy.recent_unquantized"),
+        ({"csa_ratio": 3}, "policy.csa_ratio"),
+        ({"csa_ratio": 32, "block_size": 16}, "policy.csa_ratio"),
+        ({"csa_window": -5}, "policy.csa_window"),
+        ({"csa_sinks": -1}, "policy.csa_sinks"),
+        ({"csa_ratio": 4, "csa_window": 8, "block_size": 16}, "policy.csa_window"),
+        ({"block_size": 12}, "policy.block_size"),
+        ({"block_size": True}, "policy.block_size"),
+        ({"chunk_size": 100}, "policy.chunk_size"),
+        ({"chunk_size": 0}, "policy.chunk_size"),
+    ],
+)
+def test_invalid_field_is_named_with_value_and_allowed(changes, field):
+    with pytest.raises(ConfigError) as error:
+        KVPolicy(**changes)
+    message = str(error.value)
+    assert message.startswith(f"{field}=")
+    assert "\n" not in message
+    assert error.value.field == field
+
+
+def test_window_may_be_small_without_compression():
+    assert KVPolicy(csa_ratio=1, csa_window=0, csa_sinks=0).csa_window == 0
+
+
+def test_group_size_must_divide_the_models_head_dim():
+    KVPolicy(group_size=32).check_model(SMOL)
+    with pytest.raises(ConfigError, match=r"policy.group_size=48 .*head_dim=64"):
+        KVPolicy(group_size=48).check_model(SMOL)
+    with pytest.raises(ConfigError, match=r"policy.group_size=128 .*head_dim=64"):
+        KVPolicy(group_size=128).check_model(SMOL)
+
+
+def test_layer_dtypes_need_one_pair_per_layer():
+    with pytest.raises(ConfigError, match="30 layers"):
+        KVPolicy(layer_dtypes=("fp8/fp4",) * 29).check_model(SMOL)
+    pairs = KVPolicy(k_dtype="fp8", layer_dtypes=("fp16/fp4",) * 30).layer_pairs(30)
+    assert pairs[0] == ("fp16", "fp4") and len(pairs) == 30
+
+
+def test_mla_caches_one_latent_so_k_and_v_share_a_dtype():
+    KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=64).check_model(MLA)
+    with pytest.raises(ConfigError, match="policy.v_dtype"):
+        KVPolicy(k_dtype="fp8", v_dtype="fp4").check_model(MLA)
+
+
+def test_round_trips_through_dict_and_yaml():
+    policy = KVPolicy(
+        k_dtype="fp8",
+        v_dtype="fp4",
+        layer_dtypes=("fp8/fp4", "fp16/fp8"),
+        group_size="tensor",
+        scale_dtype="e4m3",
+        recent_unquantized=64,
+        csa_ratio=4,
+        csa_window=256,
+        csa_sinks=4,
+        block_size=32,
+        chunk_size=256,
+    )
+    assert KVPolicy.from_dict(policy.to_dict()) == policy
+    assert KVPolicy.from_yaml(policy.to_yaml()) == policy
+    assert yaml.safe_load(policy.to_yaml())["layer_dtypes"] == ["fp8/fp4", "fp16/fp8"]
+
+
+def test_numeric_strings_for_group_size_are_accepted():
+    assert KVPolicy(group_size="16").group_size == 16
+
+
+def test_unknown_key_is_refused_with_the_known_fields():
+    with pytest.raises(ConfigError, match=r"policy.k_dtyp=.*known: .*k_dtype"):
+        KVPolicy.from_dict({"k_dtyp": "fp8"})
+
+
+def test_hydra_default_matches_the_dataclass_default():
+    assert yaml.safe_load(CONF_POLICY.read_text()) == KVPolicy().to_dict()
