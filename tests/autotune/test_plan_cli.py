@@ -125,7 +125,7 @@ def test_table_output_is_readable():
     [
         ("policy.k_dtype=int4", "policy.k_dtype"),
         ("policy.chunk_size=100", "policy.chunk_size"),
-        ("policy.group_size=48", "policy.group_size"),
+        ("policy.k_dtype=fp8 policy.group_size=48", "policy.group_size"),
         ("policy.csa_ratio=3", "policy.csa_ratio"),
         ("policy.scale_dtype=fp32", "policy.scale_dtype"),
         ("policy.layer_dtypes=[fp8/fp4]", "policy.layer_dtypes"),
@@ -136,7 +136,7 @@ def test_table_output_is_readable():
     ],
 )
 def test_invalid_settings_give_one_line_naming_the_field(override, field, tmp_path):
-    result = kvtune("plan", override, cwd=tmp_path)
+    result = kvtune("plan", *override.split(), cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()

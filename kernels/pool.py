@@ -1,0 +1,114 @@
+"""A paged K or V pool (codes, group scales, format, tensor scale) and torch reference reads and
+writes of its vectors by slot.
+
+Slots address token positions in the pool: slot = block_id * block_size + offset, so the
+vector of (slot, head) is codes.flatten(0, 1)[slot, head]. Kernels read and write pools through
+`kernels.quantize.load_dequant_tile` / `quantize_store_tile` with rows = slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.kv_format import KVFormat
+from kernels.quantize import (
+    check_kernel_format,
+    code_width,
+    dequantize_ref,
+    quantize_ref,
+    tensor_scale_or_one,
+)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """One paged K or V pool, as `KVFormat.allocate` lays it out.
+
+    codes: [num_blocks, block_size, num_heads, width] in fmt's code dtype (width = head_dim for
+        fp32/fp16/bf16, head_dim bytes for fp8, head_dim / 2 bytes for fp4).
+    scales: [num_blocks, block_size, num_heads, head_dim / group_size] fp16 or uint8 E4M3 group
+        scales, or None when fmt keeps none.
+    tensor_scale: positive fp32 one-element tensor multiplying every dequantized value of a
+        quantized format (see `kernels.quantize`); None means 1.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    fmt: KVFormat
+    tensor_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        codes = self.codes
+        if codes.dim() != 4 or not codes.is_contiguous():
+            raise ValueError(f"codes.shape={tuple(codes.shape)}: must be contiguous 4-D")
+        head_dim = self.head_dim
+        check_kernel_format(self.fmt, head_dim)
+        if codes.dtype != self.fmt.code_torch_dtype or codes.shape[3] != code_width(
+            self.fmt, head_dim
+        ):
+            raise ValueError(f"codes: dtype {codes.dtype} does not store {self.fmt}")
+        groups = self.fmt.scales_per_vector(head_dim)
+        expected = (*codes.shape[:3], groups)
+        if groups == 0 and self.scales is not None:
+            raise ValueError(f"scales: must be None for {self.fmt}")
+        if groups and (self.scales is None or tuple(self.scales.shape) != expected):
+            raise ValueError(f"scales: must have shape {expected} for {self.fmt}")
+        if groups and (
+            self.scales.dtype != self.fmt.scale_torch_dtype or not self.scales.is_contiguous()
+        ):
+            raise ValueError(f"scales: must be contiguous {self.fmt.scale_torch_dtype}")
+        object.__setattr__(
+            self, "tensor_scale", tensor_scale_or_one(self.tensor_scale, codes.device)
+        )
+
+    @classmethod
+    def allocate(
+        cls,
+        fmt: KVFormat,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        tensor_scale: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """A zero-filled pool of num_blocks blocks of block_size tokens."""
+        codes, scales = fmt.allocate(num_blocks, block_size, num_heads, head_dim, device)
+        return cls(codes, scales, fmt, tensor_scale)
+
+    @property
+    def num_slots(self) -> int:
+        return self.codes.shape[0] * self.codes.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        width = self.codes.shape[3]
+        return 2 * width if self.fmt.dtype == "fp4" else width
+
+
+def read_vectors_ref(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 vectors [len(slots), num_heads, head_dim] stored at slots (readable, slow)."""
+    slots = slots.long()
+    codes = pool.codes.flatten(0, 1)[slots]
+    scales = pool.scales.flatten(0, 1)[slots] if pool.scales is not None else None
+    return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+
+
+def write_vectors_ref(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> None:
+    """Quantize vectors [len(slots), num_heads, head_dim] into pool at slots; slot < 0 skips."""
+    keep = slots >= 0
+    slots = slots[keep].long()
+    codes, scales = quantize_ref(vectors[keep], pool.fmt, pool.tensor_scale)
+    pool.codes.flatten(0, 1)[slots] = codes
+    if scales is not None:
+        pool.scales.flatten(0, 1)[slots] = scales

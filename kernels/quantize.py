@@ -1,0 +1,419 @@
+"""Per-group quantization of K/V vectors to a `KVFormat`: Triton device helpers, launchers and
+torch references.
+
+One rule for every quantized format, in "tensor-scaled units" x_t = x / tensor_scale:
+
+    group scale s_g = round_to_scale_dtype(amax_g(|x_t|) / max_code)   (fp16, or E4M3 codes)
+    code            = encode(x_t / s_g)                                 (all codes 0 when s_g == 0)
+    value           = (decode(code) * s_g) * tensor_scale
+
+group_size None (per tensor) stores no group scales (s_g = 1): code = encode(x / tensor_scale).
+tensor_scale is an fp32 one-element tensor chosen by the caller (calibrated by the runtime); 1
+leaves x unchanged, which is the classic fp16-group-scale scheme. With e4m3 scales this is
+NVFP4: E4M3 group scales times an fp32 tensor scale. Unquantized formats (fp32/fp16/bf16) are
+a plain cast. All divisions are IEEE round-to-nearest so that kernel and reference agree bit
+for bit.
+
+Limit: a group scale below its dtype's normal range (fp16: amax_g / max_code < 2^-14, so amax_g
+< 0.027 for fp8 and < 3.7e-4 for fp4 at tensor_scale 1; E4M3: < 2^-6) keeps few significant
+bits, so such groups only promise an error below their amax. A tensor_scale < 1 moves the range.
+
+Device helpers for other kernels (cache writes, attention, compression) address a vector by
+(row, head) in a [rows, NUM_HEADS, width] buffer, which is how a paged pool
+[num_blocks, block_size, heads, width] looks with row = block_id * block_size + offset:
+
+    values = load_dequant_tile(codes_ptr, scales_ptr, tensor_scale_ptr, rows, head, mask, dims,
+                               NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
+    quantize_store_tile(codes_ptr, scales_ptr, tensor_scale_ptr, rows, head, mask, values,
+                        NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
+
+`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 constexprs of a format.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp_codes import (
+    decode_e2m1,
+    decode_e2m1_ref,
+    decode_e4m3,
+    decode_e4m3_ref,
+    encode_e2m1,
+    encode_e2m1_ref,
+    encode_e4m3,
+    encode_e4m3_ref,
+    pack_e2m1_ref,
+    round_to_bf16,
+    unpack_e2m1_ref,
+)
+from kernels.kv_format import KVFormat
+
+# Element code kinds, the CODE constexpr of the device helpers.
+CODE_FLOAT = tl.constexpr(0)
+CODE_E4M3 = tl.constexpr(1)
+CODE_E2M1 = tl.constexpr(2)
+
+# fp32 elements one program handles in the quantize / dequantize launchers.
+TILE_ELEMENTS = 4096
+
+
+def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
+    """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
+
+    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3 or CODE_E2M1; GROUP_SIZE: elements a
+    group scale covers, 0 for none; SCALE_E4M3: group scales are E4M3 codes, not fp16.
+    """
+    code = {"fp8": CODE_E4M3, "fp4": CODE_E2M1}.get(fmt.dtype, CODE_FLOAT)
+    return {
+        f"{prefix}CODE": code.value,
+        f"{prefix}GROUP_SIZE": fmt.group_size or 0,
+        f"{prefix}SCALE_E4M3": fmt.quantized and fmt.scale_dtype == "e4m3",
+    }
+
+
+def check_kernel_format(fmt: KVFormat, head_dim: int) -> None:
+    """Raise if the Triton helpers cannot handle this format (group sizes are powers of two)."""
+    fmt.check_head_dim(head_dim)
+    group = fmt.group_size
+    if group is not None and group & (group - 1):
+        raise ValueError(f"group_size={group}: the Triton kernels need a power of two")
+
+
+def code_width(fmt: KVFormat, head_dim: int) -> int:
+    """Last-dim size of stored codes: head_dim elements when unquantized, else code bytes."""
+    return fmt.code_bytes(head_dim) if fmt.quantized else head_dim
+
+
+def tensor_scale_or_one(tensor_scale: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """The fp32 one-element tensor scale the helpers load; None means 1."""
+    if tensor_scale is None:
+        return torch.ones(1, dtype=torch.float32, device=device)
+    if tensor_scale.numel() != 1 or tensor_scale.dtype != torch.float32:
+        raise ValueError(
+            f"tensor_scale: dtype {tensor_scale.dtype} with {tensor_scale.numel()} elements, "
+            "must be a one-element torch.float32 tensor"
+        )
+    return tensor_scale.reshape(1)
+
+
+@triton.jit
+def cast_for_store(values, dtype: tl.constexpr):
+    """fp32 tile -> dtype, round to nearest even (bf16 through `round_to_bf16`)."""
+    if dtype == tl.bfloat16:
+        return round_to_bf16(values)
+    return values.to(dtype)
+
+
+@triton.jit
+def load_dequant_tile(
+    codes_ptr,
+    scales_ptr,
+    tensor_scale_ptr,
+    rows,
+    head,
+    mask,
+    dims,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CODE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALE_E4M3: tl.constexpr,
+):
+    """fp32 tile [len(rows), len(dims)] of dequantized vectors.
+
+    Vector (row, head) lives at codes[row, head, :] and scales[row, head, :] of contiguous
+    buffers [*, NUM_HEADS, width] and [*, NUM_HEADS, HEAD_DIM / GROUP_SIZE]. rows: int tile
+    [R] (int32 or int64); head: scalar or int tile [R]; mask: bool [R]; dims: int tile [C] of
+    element indices. Masked rows and dims >= HEAD_DIM read as 0. scales_ptr is read only when
+    GROUP_SIZE > 0 (pass any pointer otherwise); tensor_scale_ptr (fp32, one element, > 0) for
+    quantized formats.
+    """
+    vectors = rows.to(tl.int64) * NUM_HEADS + head
+    dmask = mask[:, None] & (dims[None, :] < HEAD_DIM)
+    if CODE == CODE_FLOAT:
+        offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
+        values = tl.load(codes_ptr + offsets, mask=dmask, other=0.0).to(tl.float32)
+    else:
+        if CODE == CODE_E4M3:
+            offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
+            values = decode_e4m3(tl.load(codes_ptr + offsets, mask=dmask, other=0))
+        else:
+            offsets = vectors[:, None] * (HEAD_DIM // 2) + dims[None, :] // 2
+            packed = tl.load(codes_ptr + offsets, mask=dmask, other=0)
+            # Element 2i sits in the low nibble of byte i, element 2i+1 in the high nibble.
+            values = decode_e2m1((packed >> ((dims[None, :] % 2) * 4).to(tl.uint8)) & 0xF)
+        if GROUP_SIZE > 0:
+            offsets = vectors[:, None] * (HEAD_DIM // GROUP_SIZE) + dims[None, :] // GROUP_SIZE
+            stored = tl.load(scales_ptr + offsets, mask=dmask, other=0)
+            values = values * (decode_e4m3(stored) if SCALE_E4M3 else stored.to(tl.float32))
+        values = values * tl.load(tensor_scale_ptr)
+    return values
+
+
+@triton.jit
+def _group_scales(
+    scaled,
+    scales_ptr,
+    vectors,
+    mask,
+    HEAD_DIM: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALE_E4M3: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+):
+    """Store the group scales of a tile in tensor-scaled units; return them as fp32 [R, G]."""
+    BLOCK_R: tl.constexpr = scaled.shape[0]
+    NUM_GROUPS: tl.constexpr = scaled.shape[1] // GROUP_SIZE
+    grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
+    amax = tl.max(tl.abs(grouped), axis=2)
+    exact = tl.math.div_rn(amax, tl.full(amax.shape, MAX_CODE, tl.float32))
+    if SCALE_E4M3:
+        stored = encode_e4m3(exact)
+        scale = decode_e4m3(stored)
+    else:
+        stored = exact.to(tl.float16)
+        scale = stored.to(tl.float32)
+    groups = tl.arange(0, NUM_GROUPS)
+    offsets = vectors[:, None] * (HEAD_DIM // GROUP_SIZE) + groups[None, :]
+    group_mask = mask[:, None] & (groups[None, :] < HEAD_DIM // GROUP_SIZE)
+    tl.store(scales_ptr + offsets, stored, mask=group_mask)
+    return scale
+
+
+@triton.jit
+def quantize_store_tile(
+    codes_ptr,
+    scales_ptr,
+    tensor_scale_ptr,
+    rows,
+    head,
+    mask,
+    values,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CODE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALE_E4M3: tl.constexpr,
+):
+    """Quantize an fp32 tile [R, BLOCK_D] of whole vectors and store codes and group scales.
+
+    values[:, d] is element d (BLOCK_D = values.shape[1], a power of two >= HEAD_DIM; columns
+    >= HEAD_DIM are ignored). Addressing as in `load_dequant_tile`; masked rows store nothing.
+    Unquantized formats store values cast to the codes buffer's dtype.
+    """
+    BLOCK_R: tl.constexpr = values.shape[0]
+    BLOCK_D: tl.constexpr = values.shape[1]
+    dims = tl.arange(0, BLOCK_D)
+    vectors = rows.to(tl.int64) * NUM_HEADS + head
+    dmask = mask[:, None] & (dims[None, :] < HEAD_DIM)
+    if CODE == CODE_FLOAT:
+        offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
+        stored = cast_for_store(values, codes_ptr.dtype.element_ty)
+        tl.store(codes_ptr + offsets, stored, mask=dmask)
+    else:
+        tensor_scale = tl.full(values.shape, tl.load(tensor_scale_ptr), tl.float32)
+        scaled = tl.where(dmask, tl.math.div_rn(values, tensor_scale), 0.0)
+        if GROUP_SIZE > 0:
+            max_code: tl.constexpr = 448.0 if CODE == CODE_E4M3 else 6.0
+            scale = _group_scales(
+                scaled, scales_ptr, vectors, mask, HEAD_DIM, GROUP_SIZE, SCALE_E4M3, max_code
+            )
+            NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
+            grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
+            divisor = tl.broadcast_to(tl.where(scale == 0.0, 1.0, scale)[:, :, None], grouped.shape)
+            grouped = tl.where(scale[:, :, None] == 0.0, 0.0, tl.math.div_rn(grouped, divisor))
+            scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
+        if CODE == CODE_E4M3:
+            offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
+            tl.store(codes_ptr + offsets, encode_e4m3(scaled), mask=dmask)
+        else:
+            even, odd = tl.split(tl.reshape(encode_e2m1(scaled), (BLOCK_R, BLOCK_D // 2, 2)))
+            byte_dims = tl.arange(0, BLOCK_D // 2)
+            offsets = vectors[:, None] * (HEAD_DIM // 2) + byte_dims[None, :]
+            byte_mask = mask[:, None] & (byte_dims[None, :] < HEAD_DIM // 2)
+            tl.store(codes_ptr + offsets, even | (odd << 4), mask=byte_mask)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    tensor_scale_ptr,
+    num_vectors,
+    HEAD_DIM: tl.constexpr,
+    CODE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALE_E4M3: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = rows < num_vectors
+    dims = tl.arange(0, BLOCK_D)
+    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    quantize_store_tile(
+        codes_ptr, scales_ptr, tensor_scale_ptr, rows, 0, mask, x.to(tl.float32),
+        1, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3,
+    )
+
+
+@triton.jit
+def _dequantize_kernel(
+    codes_ptr,
+    scales_ptr,
+    tensor_scale_ptr,
+    out_ptr,
+    num_vectors,
+    HEAD_DIM: tl.constexpr,
+    CODE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALE_E4M3: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    mask = rows < num_vectors
+    dims = tl.arange(0, BLOCK_D)
+    values = load_dequant_tile(
+        codes_ptr, scales_ptr, tensor_scale_ptr, rows, 0, mask, dims,
+        1, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3,
+    )
+    offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
+    out_mask = mask[:, None] & (dims[None, :] < HEAD_DIM)
+    tl.store(out_ptr + offsets, cast_for_store(values, out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def vector_tiles(num_vectors: int, head_dim: int) -> tuple[int, int, int]:
+    """Programs, vectors a program (BLOCK_R) and padded head_dim (BLOCK_D) for launchers that
+    give each program a tile of whole vectors of about TILE_ELEMENTS elements."""
+    block_d = triton.next_power_of_2(head_dim)
+    block_r = min(max(1, TILE_ELEMENTS // block_d), triton.next_power_of_2(max(1, num_vectors)))
+    return triton.cdiv(num_vectors, block_r), block_r, block_d
+
+
+def quantize(
+    x: torch.Tensor, fmt: KVFormat, tensor_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize vectors x [..., D] (fp32/fp16/bf16) to fmt.
+
+    Returns codes [..., code width] (uint8 D or D/2 bytes, or fmt's float dtype with D
+    elements) and group scales [..., D / group_size] (fp16 or uint8 E4M3), or None.
+    """
+    head_dim = x.shape[-1]
+    check_kernel_format(fmt, head_dim)
+    x = x.contiguous()
+    tensor_scale = tensor_scale_or_one(tensor_scale, x.device)
+    codes = x.new_empty(*x.shape[:-1], code_width(fmt, head_dim), dtype=fmt.code_torch_dtype)
+    groups = fmt.scales_per_vector(head_dim)
+    scales = (
+        x.new_empty(*x.shape[:-1], groups, dtype=fmt.scale_torch_dtype) if groups else None
+    )
+    num_vectors = x.numel() // head_dim if head_dim else 0
+    if num_vectors == 0:
+        return codes, scales
+    programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
+    _quantize_kernel[(programs,)](
+        x, codes, scales if scales is not None else codes, tensor_scale, num_vectors,
+        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d, **format_switches(fmt),
+    )
+    return codes, scales
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: KVFormat,
+    tensor_scale: torch.Tensor | None,
+    head_dim: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Values [..., head_dim] in out_dtype of codes and scales made by `quantize`."""
+    check_kernel_format(fmt, head_dim)
+    _check_codes(codes, scales, fmt, head_dim)
+    codes = codes.contiguous()
+    tensor_scale = tensor_scale_or_one(tensor_scale, codes.device)
+    out = codes.new_empty(*codes.shape[:-1], head_dim, dtype=out_dtype)
+    num_vectors = out.numel() // head_dim if head_dim else 0
+    if num_vectors == 0:
+        return out
+    programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
+    _dequantize_kernel[(programs,)](
+        codes, scales.contiguous() if scales is not None else codes, tensor_scale, out,
+        num_vectors, HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d, **format_switches(fmt),
+    )
+    return out
+
+
+def _check_codes(
+    codes: torch.Tensor, scales: torch.Tensor | None, fmt: KVFormat, head_dim: int
+) -> None:
+    """Raise early if codes / scales do not hold head_dim-element vectors of fmt."""
+    width = code_width(fmt, head_dim)
+    if codes.dtype != fmt.code_torch_dtype or codes.shape[-1] != width:
+        raise ValueError(
+            f"codes: dtype {codes.dtype}, last dim {codes.shape[-1]}; {fmt} with "
+            f"head_dim={head_dim} needs {fmt.code_torch_dtype} and {width}"
+        )
+    groups = fmt.scales_per_vector(head_dim)
+    expected = (*codes.shape[:-1], groups)
+    if groups == 0 and scales is not None:
+        raise ValueError(f"scales: must be None for {fmt}")
+    if groups and (scales is None or tuple(scales.shape) != expected):
+        raise ValueError(f"scales: must have shape {expected} for {fmt}")
+    if groups and scales.dtype != fmt.scale_torch_dtype:
+        raise ValueError(f"scales.dtype={scales.dtype}: {fmt} needs {fmt.scale_torch_dtype}")
+
+
+def quantize_ref(
+    x: torch.Tensor, fmt: KVFormat, tensor_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Torch reference of `quantize` (same signature, same bits)."""
+    head_dim = x.shape[-1]
+    fmt.check_head_dim(head_dim)
+    if not fmt.quantized:
+        return x.to(fmt.code_torch_dtype), None
+    tensor_scale = tensor_scale_or_one(tensor_scale, x.device)
+    scaled = x.float() / tensor_scale
+    scales = None
+    if fmt.group_size is not None:
+        grouped = scaled.unflatten(-1, (head_dim // fmt.group_size, fmt.group_size))
+        exact_scale = grouped.abs().amax(dim=-1) / fmt.max_code
+        if fmt.scale_dtype == "e4m3":
+            scales = encode_e4m3_ref(exact_scale)
+            scale = decode_e4m3_ref(scales)
+        else:
+            scales = exact_scale.half()
+            scale = scales.float()
+        divisor = torch.where(scale == 0, 1.0, scale)[..., None]
+        grouped = torch.where(scale[..., None] == 0, 0.0, grouped / divisor)
+        scaled = grouped.flatten(-2)
+    if fmt.dtype == "fp8":
+        return encode_e4m3_ref(scaled), scales
+    return pack_e2m1_ref(encode_e2m1_ref(scaled)), scales
+
+
+def dequantize_ref(
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: KVFormat,
+    tensor_scale: torch.Tensor | None,
+    head_dim: int,
+    out_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Torch reference of `dequantize` (same signature, same bits)."""
+    _check_codes(codes, scales, fmt, head_dim)
+    if not fmt.quantized:
+        return codes.to(out_dtype)
+    if fmt.dtype == "fp8":
+        values = decode_e4m3_ref(codes)
+    else:
+        values = decode_e2m1_ref(unpack_e2m1_ref(codes))
+    if scales is not None:
+        scale = decode_e4m3_ref(scales) if fmt.scale_dtype == "e4m3" else scales.float()
+        values = (values.unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
+    return (values * tensor_scale_or_one(tensor_scale, codes.device)).to(out_dtype)

@@ -1,0 +1,287 @@
+"""Group quantization: Triton vs torch reference bit for bit, and both vs torch.float8_e4m3fn /
+ml_dtypes.float4_e2m1fn decoding and error bounds."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import triton
+
+from kernels.kv_format import KVFormat
+from kernels.quantize import (
+    dequantize,
+    dequantize_ref,
+    format_switches,
+    quantize,
+    quantize_ref,
+)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+QUANTIZED_FORMATS = [
+    KVFormat(dtype, group, scale)
+    for dtype, group, scale in itertools.product(
+        ("fp8", "fp4"), (16, 32, 64, 128), ("fp16", "e4m3")
+    )
+] + [KVFormat("fp8"), KVFormat("fp4")]
+INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _vectors(
+    shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0, edge_vectors: bool = True
+) -> torch.Tensor:
+    """Random K/V-like vectors with outliers; edge_vectors makes vector 0 all zero and vector 1
+    tiny (1e-6 scale, where fp16 and E4M3 group scales underflow)."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator) * 2
+    outliers = torch.rand(shape, generator=generator) < 0.02
+    x = torch.where(outliers, x * 40, x)
+    if edge_vectors:
+        flat = x.view(-1, shape[-1])
+        flat[0] = 0.0
+        flat[1] *= 1e-6
+    return x.to(dtype)
+
+
+def _tensor_scale(x: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Calibrated fp32 tensor scale: NVFP4-style for e4m3 scales, amax / max_code per tensor."""
+    amax = x.float().abs().max()
+    if fmt.group_size is None:
+        return (amax / fmt.max_code).reshape(1)
+    if fmt.scale_dtype == "e4m3":
+        return (amax / (448.0 * fmt.max_code)).reshape(1)
+    return torch.ones(1)
+
+
+def _cases(head_dims: tuple[int, ...]) -> list[tuple[KVFormat, int]]:
+    return [
+        (fmt, head_dim)
+        for fmt in QUANTIZED_FORMATS
+        for head_dim in head_dims
+        if fmt.group_size is None or head_dim % fmt.group_size == 0
+    ]
+
+
+@pytest.mark.parametrize("dtype", INPUT_DTYPES)
+@pytest.mark.parametrize(("fmt", "head_dim"), _cases((64, 128, 96)), ids=str)
+def test_triton_matches_reference_bit_exact(fmt: KVFormat, head_dim: int, dtype) -> None:
+    x = _vectors((3, 5, head_dim), dtype)
+    tensor_scale = _tensor_scale(x, fmt)
+    codes, scales = quantize(x, fmt, tensor_scale)
+    codes_ref, scales_ref = quantize_ref(x, fmt, tensor_scale)
+    assert codes.shape == (3, 5, fmt.code_bytes(head_dim)) and codes.dtype == torch.uint8
+    assert torch.equal(codes, codes_ref)
+    if fmt.group_size is None:
+        assert scales is None and scales_ref is None
+    else:
+        assert scales.shape == (3, 5, head_dim // fmt.group_size)
+        assert scales.dtype == fmt.scale_torch_dtype
+        assert torch.equal(scales.view(torch.uint8), scales_ref.view(torch.uint8))
+    for out_dtype in INPUT_DTYPES:
+        values = dequantize(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
+        values_ref = dequantize_ref(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
+        assert values.dtype == out_dtype
+        assert torch.equal(values.view(torch.uint8), values_ref.view(torch.uint8))
+
+
+def _independent_decode(codes: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Element values of codes through torch.float8_e4m3fn or ml_dtypes.float4_e2m1fn."""
+    if fmt.dtype == "fp8":
+        return codes.view(torch.float8_e4m3fn).float()
+    packed = codes.numpy()
+    nibbles = np.stack((packed & 0xF, packed >> 4), axis=-1).reshape(*packed.shape[:-1], -1)
+    return torch.from_numpy(nibbles.view(ml_dtypes.float4_e2m1fn).astype(np.float32))
+
+
+def _independent_scales(scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    if fmt.scale_dtype == "e4m3":
+        return scales.view(torch.float8_e4m3fn).float()
+    return scales.float()
+
+
+def _independent_encode(scaled: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """Codes of values already in code units, by torch / ml_dtypes casts (saturating)."""
+    if fmt.dtype == "fp8":
+        return scaled.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
+    nibbles = scaled.clamp(-6, 6).numpy().astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    nibbles = torch.from_numpy(nibbles.copy())
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+@pytest.mark.parametrize(("fmt", "head_dim"), _cases((64,)), ids=str)
+def test_reference_follows_the_documented_rule(fmt: KVFormat, head_dim: int) -> None:
+    """Scales, codes and values re-derived with torch float8 / ml_dtypes casts."""
+    x = _vectors((7, head_dim), torch.float32, seed=3)
+    tensor_scale = _tensor_scale(x, fmt)
+    codes, scales = quantize_ref(x, fmt, tensor_scale)
+    scaled = x / tensor_scale
+    if fmt.group_size is None:
+        scale = torch.ones(7, 1)
+    else:
+        amax = scaled.unflatten(-1, (-1, fmt.group_size)).abs().amax(-1)
+        if fmt.scale_dtype == "e4m3":
+            expected_scales = (amax / fmt.max_code).to(torch.float8_e4m3fn).view(torch.uint8)
+        else:
+            expected_scales = (amax / fmt.max_code).half()
+        assert torch.equal(scales, expected_scales)
+        scale = _independent_scales(scales, fmt).repeat_interleave(fmt.group_size, dim=-1)
+    in_code_units = torch.where(scale == 0, 0.0, scaled / torch.where(scale == 0, 1.0, scale))
+    assert torch.equal(codes, _independent_encode(in_code_units, fmt))
+    values = dequantize_ref(codes, scales, fmt, tensor_scale, head_dim)
+    expected_values = _independent_decode(codes, fmt) * scale * tensor_scale
+    assert torch.equal(values, expected_values)
+
+
+def _round_trip_error(fmt: KVFormat, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absolute error of quantize -> dequantize and the amax of each element's group."""
+    tensor_scale = _tensor_scale(x, fmt)
+    codes, scales = quantize(x, fmt, tensor_scale)
+    error = (dequantize(codes, scales, fmt, tensor_scale, x.shape[-1]) - x).abs()
+    group = fmt.group_size or x.numel()
+    amax = x.reshape(-1, group).abs().amax(-1, keepdim=True).expand(-1, group).reshape(x.shape)
+    return error, amax
+
+
+# Worst case per element, in units of the group amax, while group scales are normal numbers:
+# half a code step at the top binade (E4M3 2^-4 relative, E2M1 1 of 6), plus 1/16 headroom
+# when an E4M3 scale rounds down.
+ERROR_BOUND = {"fp8": 2.0**-4 * 17 / 16, "fp4": (1 / 6) * 17 / 16}
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 128, None])
+@pytest.mark.parametrize("scale_dtype", ["fp16", "e4m3"])
+def test_round_trip_error_is_bounded_and_fp8_beats_fp4(group_size, scale_dtype) -> None:
+    x = _vectors((16, 128), torch.float32, seed=4, edge_vectors=False)
+    errors = {}
+    for dtype in ("fp8", "fp4"):
+        fmt = KVFormat(dtype, group_size, scale_dtype)
+        error, amax = _round_trip_error(fmt, x)
+        assert (error <= ERROR_BOUND[dtype] * amax + 1e-30).all(), fmt
+        errors[dtype] = error.mean()
+    assert 0 < errors["fp8"] < errors["fp4"] / 4
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "fp4"])
+def test_underflowing_fp16_scale_still_bounds_error_by_group_amax(dtype: str) -> None:
+    """amax / max_code below fp16's normal range loses scale precision (a documented limit),
+    but a value never comes back larger than its group amax nor with the wrong sign."""
+    fmt = KVFormat(dtype, 16)
+    x = _vectors((4, 64), torch.float32, seed=6, edge_vectors=False) * 1e-6
+    codes, scales = quantize(x, fmt)
+    assert (scales.float() < 2.0**-14).all()
+    values = dequantize(codes, scales, fmt, None, 64)
+    error, amax = _round_trip_error(fmt, x)
+    assert (error <= amax).all() and (values * x >= 0).all()
+
+
+def test_zero_group_gives_zero_scale_codes_and_values() -> None:
+    fmt = KVFormat("fp4", 16)
+    x = torch.zeros(2, 64)
+    x[1, 16:32] = 3.0
+    codes, scales = quantize(x, fmt)
+    assert torch.equal(scales[0], torch.zeros(4, dtype=torch.float16))
+    assert scales[1, 1] == 0.5 and scales[1, 0] == 0
+    assert torch.equal(dequantize(codes, scales, fmt, None, 64), x)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("input_dtype", INPUT_DTYPES)
+def test_unquantized_formats_are_a_plain_cast(dtype: str, input_dtype) -> None:
+    fmt = KVFormat(dtype)
+    x = _vectors((5, 80), input_dtype, seed=5)
+    codes, scales = quantize(x, fmt)
+    expected = x.to(fmt.code_torch_dtype)
+    assert scales is None and codes.dtype == expected.dtype
+    assert torch.equal(codes.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(quantize_ref(x, fmt)[0], codes)
+    assert torch.equal(dequantize(codes, None, fmt, None, 80), expected.float())
+
+
+def test_rejects_bad_arguments() -> None:
+    x = torch.randn(2, 96)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize(x, KVFormat("fp8", 48))
+    with pytest.raises(ValueError, match="group_size=64"):
+        quantize(x, KVFormat("fp8", 64))
+    with pytest.raises(ValueError, match="tensor_scale"):
+        quantize(x, KVFormat("fp8"), torch.ones(1, dtype=torch.float64))
+    codes, scales = quantize(x, KVFormat("fp8", 32))
+    with pytest.raises(ValueError, match="scales"):
+        dequantize(codes, None, KVFormat("fp8", 32), None, 96)
+
+
+def _compile_for_sm90(kernel, arg_types: dict[str, str], constexprs: dict[str, object]) -> None:
+    """Compile one kernel to an sm_90 cubin (no GPU needed); unlisted arguments are int32."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    signature = {
+        name: "constexpr" if name in constexprs else arg_types.get(name, "i32") for name in names
+    }
+    indexed = {(names.index(name),): value for name, value in constexprs.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=indexed)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+def compile_kernels_for_cuda() -> None:
+    """Compile the quantize, dequantize, cache-write and compress kernels for an H100/H200.
+
+    The interpreter accepts some code the GPU compiler rejects (and the reverse), so this runs
+    in a process without TRITON_INTERPRET; see test_kernels_compile_for_cuda.
+    """
+    from kernels import cache_write, compress
+    from kernels import quantize as quantize_module
+
+    tile = {"HEAD_DIM": 96, "BLOCK_R": 32, "BLOCK_D": 128}
+    for fmt in (KVFormat("fp8", 32), KVFormat("fp4", 16, "e4m3"), KVFormat("fp8"),
+                KVFormat("bf16")):
+        pointers = {
+            "x_ptr": "*bf16",
+            "out_ptr": "*bf16",
+            "codes_ptr": "*u8" if fmt.quantized else "*bf16",
+            "scales_ptr": "*u8" if fmt.scale_dtype == "e4m3" else "*fp16",
+            "tensor_scale_ptr": "*fp32",
+        }
+        for kernel in (quantize_module._quantize_kernel, quantize_module._dequantize_kernel):
+            _compile_for_sm90(kernel, pointers, {**tile, **format_switches(fmt)})
+    first, second = KVFormat("fp4", 16, "e4m3"), KVFormat("fp8", 32)
+    pool_pointers = {"codes_ptr": "*u8", "tensor_scale_ptr": "*fp32"}
+    pointers = {
+        "k_ptr": "*fp16", "v_ptr": "*fp16", "slot_mapping_ptr": "*i64",
+        "k_scales_ptr": "*u8", "v_scales_ptr": "*fp16",
+        **{f"{which}_{name}": kind for which in "kv" for name, kind in pool_pointers.items()},
+    }
+    switches = {**format_switches(first, "K_"), **format_switches(second, "V_")}
+    _compile_for_sm90(
+        cache_write._write_kv_kernel, pointers, {"NUM_HEADS": 8, **tile, **switches}
+    )
+    pointers = {
+        "src_block_ids_ptr": "*i32", "dst_slots_ptr": "*i64",
+        "src_scales_ptr": "*u8", "dst_scales_ptr": "*fp16",
+        **{f"{which}_{name}": kind for which in ("src", "dst")
+           for name, kind in pool_pointers.items()},
+    }
+    switches = {**format_switches(first, "SRC_"), **format_switches(second, "DST_")}
+    constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, **tile, **switches}
+    _compile_for_sm90(compress._compress_kernel, pointers, constexprs)
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda() -> None:
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = "from tests.kernels.test_quantize import compile_kernels_for_cuda as c; c()"
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
