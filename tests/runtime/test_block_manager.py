@@ -15,8 +15,13 @@ POLICIES = [
     KVPolicy(csa_ratio=4, csa_window=64, csa_sinks=16, block_size=16, chunk_size=64),
     KVPolicy(csa_ratio=2, csa_window=32, csa_sinks=5, block_size=8, chunk_size=32),
     KVPolicy(
-        k_dtype="fp8", csa_ratio=8, csa_window=48, csa_sinks=4, recent_unquantized=20,
-        block_size=16, chunk_size=32,
+        k_dtype="fp8",
+        csa_ratio=8,
+        csa_window=48,
+        csa_sinks=4,
+        recent_unquantized=20,
+        block_size=16,
+        chunk_size=32,
     ),
     KVPolicy(csa_ratio=4, csa_window=32, csa_sinks=0, recent_unquantized=100, block_size=16),
 ]

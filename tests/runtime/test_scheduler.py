@@ -60,7 +60,9 @@ def test_budget_cuts_chunks_to_whole_blocks():
 def test_length_aware_runs_short_prompts_first():
     policy = KVPolicy(block_size=16, chunk_size=64)
     scheduler = Scheduler(
-        BlockManager(policy, 100, 0), max_num_seqs=1, max_num_batched_tokens=64,
+        BlockManager(policy, 100, 0),
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
         policy="length_aware",
     )
     for seq_id, length in enumerate([300, 20, 5, 60]):
@@ -73,8 +75,11 @@ def test_length_aware_runs_short_prompts_first():
 def test_length_aware_does_not_starve_a_long_prompt():
     policy = KVPolicy(block_size=16, chunk_size=64)
     scheduler = Scheduler(
-        BlockManager(policy, 100, 0), max_num_seqs=1, max_num_batched_tokens=64,
-        policy="length_aware", starvation_steps=10,
+        BlockManager(policy, 100, 0),
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        policy="length_aware",
+        starvation_steps=10,
     )
     long_prompt = make_seq(0, 500)
     scheduler.add(long_prompt)

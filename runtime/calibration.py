@@ -1,0 +1,78 @@
+"""Per-layer fp32 tensor scales for quantized KV streams, measured once on a fixed text.
+
+A live cache cannot rescale what it already wrote, so formats with one scale per tensor (fp8
+per-tensor, as vLLM) or with E4M3 group scales (NVFP4-style two-level scaling) need their tensor
+scale before the first write. vLLM's default is a scale of 1; kvtune measures the K and V
+magnitudes of each layer on a fixed calibration text instead (deterministic, independent of the
+workload) and leaves headroom for larger values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_format import KVFormat
+from runtime.kv_bytes import LayerFormats
+from runtime.model import DecoderModel, DenseCausalAttention
+
+# Values up to HEADROOM x the calibrated maximum stay representable.
+HEADROOM = 2.0
+E4M3_MAX = 448.0
+CALIBRATION_TEXT = (
+    "The cache of keys and values grows with every token a model reads. Long documents, "
+    "code listings, tables of numbers such as 3.14159, 2718 and 1,000,000, conversations "
+    "between a customer and an agent about order 48213-B, and questions about history, "
+    "science and geography all pass through the same attention layers. "
+) * 4
+
+
+def needs_tensor_scale(fmt: KVFormat) -> bool:
+    return fmt.quantized and (fmt.group_size is None or fmt.scale_dtype == "e4m3")
+
+
+def tensor_scale(
+    fmt: KVFormat, amax: float, device: torch.device | str = "cpu"
+) -> torch.Tensor | None:
+    """The fp32 scale for a stream whose largest magnitude is amax (None: not needed)."""
+    if not needs_tensor_scale(fmt):
+        return None
+    largest = amax * HEADROOM
+    if fmt.group_size is None:
+        value = largest / fmt.max_code
+    else:  # group scales in E4M3 must stay <= 448 after dividing by the tensor scale
+        value = largest / (fmt.max_code * E4M3_MAX)
+    value = max(value, torch.finfo(torch.float32).tiny)
+    return torch.tensor([value], dtype=torch.float32, device=device)
+
+
+class _AmaxRecorder:
+    """Dense attention that also records each layer's largest |K| and |V|."""
+
+    def __init__(self, num_tokens: int, num_layers: int) -> None:
+        self.attention = DenseCausalAttention([num_tokens])
+        self.k_amax = [0.0] * num_layers
+        self.v_amax = [0.0] * num_layers
+
+    def __call__(
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        self.k_amax[layer_index] = max(self.k_amax[layer_index], float(k.abs().max()))
+        self.v_amax[layer_index] = max(self.v_amax[layer_index], float(v.abs().max()))
+        return self.attention(layer_index, q, k, v)
+
+
+@torch.no_grad()
+def calibrate_tensor_scales(
+    model: DecoderModel, token_ids: list[int], formats: list[LayerFormats]
+) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """(K scale, V scale) per layer; skips the forward pass when no format needs one."""
+    if not any(needs_tensor_scale(f.k) or needs_tensor_scale(f.v) for f in formats):
+        return [(None, None)] * len(formats)
+    device = model.embed_tokens.weight.device
+    recorder = _AmaxRecorder(len(token_ids), len(formats))
+    ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    model.forward(ids, torch.arange(len(token_ids), device=device), recorder)
+    return [
+        (tensor_scale(f.k, k_amax, device), tensor_scale(f.v, v_amax, device))
+        for f, k_amax, v_amax in zip(formats, recorder.k_amax, recorder.v_amax, strict=True)
+    ]

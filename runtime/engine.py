@@ -1,0 +1,289 @@
+"""The engine loop: schedule a batch, run the model over the paged cache, sample, repeat.
+
+One step serves decodes and prefill chunks together (continuous batching). The engine sizes
+the pools from a byte budget with the shared arithmetic, refuses settings that cannot hold one
+full-length sequence before allocating anything, and keeps per-request and engine-wide metrics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from runtime.arch import ModelArch
+from runtime.backends import CacheOps
+from runtime.block_manager import MAIN, RECENT, BlockManager, SequenceKV
+from runtime.errors import ConfigError
+from runtime.kv_bytes import ceil_div, sequence_blocks
+from runtime.kv_cache import KVCache, block_bytes
+from runtime.policy import KVPolicy
+from runtime.scheduler import ScheduledSequence, Scheduler
+from runtime.sequence import RequestMetrics, Sequence
+
+logger = logging.getLogger(__name__)
+
+Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class DecoderModel(Protocol):
+    """What the engine needs of a model: packed forward with pluggable attention, and logits."""
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
+    ) -> torch.Tensor: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine limits. kv_budget_bytes: bytes for all KV pools (None: room for max_num_seqs
+    sequences of max_model_len)."""
+
+    max_model_len: int
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int | None = None
+    kv_budget_bytes: int | None = None
+    scheduling: str = "fcfs"
+    seed: int = 0
+
+
+def recent_pool_blocks(policy: KVPolicy, max_num_seqs: int, step_tokens: int) -> int:
+    """fp16 recent blocks: each sequence's last recent_unquantized tokens (two streams may
+    share them) plus this step's new tokens before they are moved."""
+    if policy.recent_unquantized == 0:
+        return 0
+    bs = policy.block_size
+    return max_num_seqs * (ceil_div(policy.recent_unquantized, bs) + 3) + ceil_div(step_tokens, bs)
+
+
+def main_blocks_for_one_sequence(policy: KVPolicy, max_model_len: int, step_tokens: int) -> int:
+    """Main-pool blocks the longest sequence needs at its peak within a step."""
+    longest = sequence_blocks(policy, max_model_len)
+    return longest.quantized + longest.summary + ceil_div(step_tokens, policy.block_size) + 1
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    main_blocks: int
+    recent_blocks: int
+    step_tokens: int
+
+
+def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:
+    """Blocks of each pool for the budget; refuses a budget below one full-length sequence.
+
+    Cheap (arithmetic only), so callers run it before loading any weights.
+    """
+    step_tokens = config.max_num_batched_tokens or policy.chunk_size
+    sizes = block_bytes(arch, policy)
+    recent = recent_pool_blocks(policy, config.max_num_seqs, step_tokens)
+    one_sequence = main_blocks_for_one_sequence(policy, config.max_model_len, step_tokens)
+    budget = config.kv_budget_bytes
+    if budget is None:
+        budget = config.max_num_seqs * one_sequence * sizes[MAIN] + recent * sizes[RECENT]
+    main = (budget - recent * sizes[RECENT]) // sizes[MAIN]
+    if main < one_sequence:
+        needed = one_sequence * sizes[MAIN] + recent * sizes[RECENT]
+        raise ConfigError(
+            "kv_budget_bytes",
+            budget,
+            f">= {needed} bytes: one {config.max_model_len}-token sequence under this policy "
+            "(raise the budget, lower max_model_len, or quantize/compress more)",
+        )
+    return PoolSizes(main, recent, step_tokens)
+
+
+class Engine:
+    """Continuous-batching engine over a paged, quantized, compressed KV cache."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        arch: ModelArch,
+        policy: KVPolicy,
+        ops: CacheOps,
+        config: EngineConfig,
+        tensor_scales: list[tuple[torch.Tensor, torch.Tensor]],
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.arch = arch
+        self.policy = policy
+        self.config = config
+        self.device = device
+        sizes = pool_sizes(arch, policy, config)
+        self.block_bytes = block_bytes(arch, policy)
+        self.blocks = BlockManager(policy, sizes.main_blocks, sizes.recent_blocks)
+        self.cache = KVCache(arch, policy, self.blocks, ops, tensor_scales, device)
+        self.scheduler = Scheduler(
+            self.blocks, config.max_num_seqs, sizes.step_tokens, config.scheduling
+        )
+        self.scale = 1.0 / math.sqrt(arch.head_dim)
+        self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
+        self._ids = itertools.count()
+        self._clock_start = time.perf_counter()
+        self._prompt_logits: dict[int, list[torch.Tensor]] = {}
+        logger.info(
+            "KV pools: %d main blocks, %d recent blocks, %.1f MiB",
+            sizes.main_blocks,
+            sizes.recent_blocks,
+            self.cache.allocated_bytes / 2**20,
+        )
+
+    def now(self) -> float:
+        return time.perf_counter() - self._clock_start
+
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        stop_ids: frozenset[int] = frozenset(),
+        return_prompt_logits: bool = False,
+    ) -> Sequence:
+        """Queue a request; prompts longer than max_model_len are refused before any work."""
+        if not prompt_ids:
+            raise ConfigError("prompt", "<empty>", "at least one token")
+        if len(prompt_ids) > self.config.max_model_len:
+            raise ConfigError(
+                "prompt",
+                f"<{len(prompt_ids)} tokens>",
+                f"at most max_model_len={self.config.max_model_len} tokens",
+            )
+        if max_new_tokens < 0 or temperature < 0:
+            raise ConfigError("max_new_tokens/temperature", (max_new_tokens, temperature), ">= 0")
+        metrics = RequestMetrics(arrival=self.now(), prompt_tokens=len(prompt_ids))
+        seq = Sequence(
+            next(self._ids), list(prompt_ids), max_new_tokens, temperature, metrics, stop_ids
+        )
+        if return_prompt_logits:
+            self._prompt_logits[seq.seq_id] = []
+        self.scheduler.add(seq)
+        return seq
+
+    def _held_bytes(self, kv: SequenceKV) -> int:
+        held = self.blocks.held(kv)
+        return held[MAIN] * self.block_bytes[MAIN] + held[RECENT] * self.block_bytes[RECENT]
+
+    def step(self) -> list[Sequence]:
+        """Run one batch; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("scheduler produced an empty batch while requests are queued")
+        now = self.now()
+        for item in batch:
+            if item.seq.metrics.first_scheduled is None:
+                item.seq.metrics.first_scheduled = now
+        hidden = self._forward(batch)
+        rows = self._advance(batch)
+        return self._sample(batch, hidden, rows)
+
+    def _forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
+        ids, positions = [], []
+        for item in batch:
+            seq = item.seq
+            span = range(seq.num_cached, seq.num_cached + item.num_tokens)
+            ids.extend(seq.token_ids[span.start : span.stop])
+            positions.append(list(span))
+        kvs = [self.scheduler.kv[item.seq.seq_id] for item in batch]
+        layout = self.cache.layout(kvs, [item.slots for item in batch], positions)
+
+        def attention(
+            layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        ) -> torch.Tensor:
+            return self.cache.attend(layer, layout, q, k, v, self.scale)
+
+        flat_positions = torch.tensor([p for seq in positions for p in seq], device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return self.model.forward(input_ids, flat_positions, attention)
+
+    def _advance(self, batch: list[ScheduledSequence]) -> list[range]:
+        """Mark this step's tokens cached, compress/move blocks; returns each item's rows."""
+        copies = []
+        rows, start = [], 0
+        for item in batch:
+            item.seq.num_cached += item.num_tokens
+            copies.extend(self.blocks.maintain(self.scheduler.kv[item.seq.seq_id]))
+            rows.append(range(start, start + item.num_tokens))
+            start += item.num_tokens
+        self.cache.apply_copies(copies)
+        self.blocks.release(copies)
+        return rows
+
+    def _sample(
+        self, batch: list[ScheduledSequence], hidden: torch.Tensor, rows: list[range]
+    ) -> list[Sequence]:
+        finished = []
+        now = self.now()
+        for item, item_rows in zip(batch, rows, strict=True):
+            seq = item.seq
+            kv = self.scheduler.kv[seq.seq_id]
+            seq.metrics.peak_kv_bytes = max(seq.metrics.peak_kv_bytes, self._held_bytes(kv))
+            if seq.seq_id in self._prompt_logits:
+                self._prompt_logits[seq.seq_id].append(
+                    self.model.logits(hidden[item_rows.start : item_rows.stop]).float().cpu()
+                )
+            if seq.num_cached < seq.num_tokens:
+                continue  # more prefill chunks to come
+            if seq.max_new_tokens > len(seq.output_ids):
+                logits = self.model.logits(hidden[item_rows.stop - 1 : item_rows.stop])[0]
+                seq.append_token(self._choose(logits, seq.temperature))
+                if seq.metrics.first_token is None:
+                    seq.metrics.first_token = now
+            if not seq.output_ids or seq.should_stop(self.config.max_model_len):
+                seq.metrics.finished = now
+                self.scheduler.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _choose(self, logits: torch.Tensor, temperature: float) -> int:
+        if temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def run(self) -> None:
+        while self.scheduler.has_work:
+            self.step()
+
+    def take_prompt_logits(self, seq: Sequence) -> torch.Tensor:
+        """Logits [prompt_len, vocab] (fp32, CPU) at every prompt position of a finished request."""
+        return torch.cat(self._prompt_logits.pop(seq.seq_id))[: len(seq.prompt_ids)]
+
+    def stats(self) -> dict[str, float | int]:
+        """Engine-wide KV usage: pool bytes, bytes held by sequences, fragmentation, peaks."""
+        held = filled = 0
+        for seq in self.scheduler.running:
+            kv = self.scheduler.kv[seq.seq_id]
+            held += self._held_bytes(kv)
+            filled += self._filled_bytes(kv)
+        stats: dict[str, float | int] = {
+            "kv_allocated_bytes": self.cache.allocated_bytes,
+            "kv_in_use_bytes": held,
+            "kv_fragmentation": (held - filled) / held if held else 0.0,
+            "peak_main_blocks": self.blocks.pools[MAIN].peak_used,
+            "peak_recent_blocks": self.blocks.pools[RECENT].peak_used,
+            "preemptions": self.scheduler.num_preemptions,
+        }
+        if self.device.type == "cuda":
+            stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        return stats
+
+    def _filled_bytes(self, kv: SequenceKV) -> int:
+        """Bytes of the slots that hold a vector (blocks minus their unused tail slots)."""
+        bs = self.policy.block_size
+        per_slot = {kind: size // bs for kind, size in self.block_bytes.items()}
+        filled = kv.num_summaries * per_slot[MAIN]
+        for stream in (kv.sinks, kv.window):
+            for index, block in enumerate(stream.blocks):
+                slots = min(bs, stream.length - index * bs)
+                filled += slots * per_slot[block.kind]
+        return filled

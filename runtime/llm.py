@@ -1,0 +1,142 @@
+"""`LLM`: load a model, build its paged KV cache under a policy, generate and score prompts.
+
+Everything cheap is checked first (policy, backend, model folder, KV budget), so a bad setting
+fails in milliseconds, before weights are read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from runtime.arch import arch_from_folder
+from runtime.backends import cache_ops
+from runtime.calibration import CALIBRATION_TEXT, calibrate_tensor_scales
+from runtime.engine import Engine, EngineConfig, pool_sizes
+from runtime.errors import ConfigError
+from runtime.kv_bytes import layer_formats
+from runtime.model import DecoderModel, resolve_dtype
+from runtime.model_source import resolve_model
+from runtime.policy import KVPolicy
+from runtime.tokenizer import Tokenizer
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's result: generated token ids, their text, and its metrics."""
+
+    token_ids: list[int]
+    text: str
+    metrics: dict[str, Any]
+
+
+def as_policy(policy: KVPolicy | Mapping[str, Any] | None) -> KVPolicy:
+    if policy is None:
+        return KVPolicy()
+    if isinstance(policy, KVPolicy):
+        return policy
+    if isinstance(policy, Mapping):
+        return KVPolicy.from_dict(policy)
+    raise ConfigError("policy", type(policy).__name__, "a KVPolicy, a dict of its fields, or None")
+
+
+class LLM:
+    """A model served by the kvtune runtime under one KV policy.
+
+    model: "smollm2-135m" (embedded) or a local Hugging Face folder (Llama, Mistral, Qwen2).
+    backend: "torch" (reference ops, the CPU default) or "triton" (the kernels).
+    kv_budget_bytes: bytes for all KV pools; None sizes them for max_num_seqs sequences of
+        max_model_len tokens.
+    dtype: compute dtype (fp32 | fp16 | bf16); `auto` K/V streams are stored in it.
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        policy: KVPolicy | Mapping[str, Any] | None = None,
+        backend: str = "torch",
+        device: str = "cpu",
+        kv_budget_bytes: int | None = None,
+        max_num_seqs: int = 8,
+        dtype: str = "fp32",
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        scheduling: str = "fcfs",
+        seed: int = 0,
+    ) -> None:
+        self.policy = as_policy(policy)
+        ops = cache_ops(backend)
+        torch_dtype = resolve_dtype(dtype)
+        folder = resolve_model(model)
+        self.arch = dataclasses.replace(arch_from_folder(folder), dtype=DTYPE_NAMES[torch_dtype])
+        self.policy.check_model(self.arch)
+        length = max_model_len or self.arch.max_position_embeddings
+        config = EngineConfig(
+            max_model_len=length,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_budget_bytes=kv_budget_bytes,
+            scheduling=scheduling,
+            seed=seed,
+        )
+        pool_sizes(self.arch, self.policy, config)
+        self.device = torch.device(device)
+        self.tokenizer = Tokenizer.from_folder(folder)
+        self.model = DecoderModel.from_checkpoint(folder, torch_dtype, device)
+        scales = calibrate_tensor_scales(
+            self.model,
+            self.tokenizer.encode(CALIBRATION_TEXT),
+            layer_formats(self.arch, self.policy),
+        )
+        self.engine = Engine(self.model, self.arch, self.policy, ops, config, scales, self.device)
+
+    def encode_prompt(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if chat:
+            messages = [{"role": "user", "content": prompt}]
+            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        return self.tokenizer.encode(prompt)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        chat: bool = False,
+    ) -> list[Generation]:
+        """Generate for every prompt (text, or token ids) with continuous batching.
+
+        chat: wrap text prompts as one user message in the model's chat template.
+        """
+        stop = frozenset(self.tokenizer.eos_token_ids)
+        seqs = [
+            self.engine.add_request(self.encode_prompt(p, chat), max_new_tokens, temperature, stop)
+            for p in prompts
+        ]
+        self.engine.run()
+        return [
+            Generation(list(s.output_ids), self.tokenizer.decode(s.output_ids), s.metrics.to_dict())
+            for s in seqs
+        ]
+
+    @torch.no_grad()
+    def prompt_logits_batch(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """fp32 logits [len, vocab] at every position of each prompt, computed by chunked
+        prefill through the policy's cache (what evaluation scores)."""
+        seqs = [self.engine.add_request(list(ids), 0, return_prompt_logits=True) for ids in prompts]
+        self.engine.run()
+        return [self.engine.take_prompt_logits(seq) for seq in seqs]
+
+    def prompt_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
+        return self.prompt_logits_batch([token_ids])[0]
+
+    def stats(self) -> dict[str, float | int]:
+        return self.engine.stats()

@@ -1,0 +1,78 @@
+"""Model folders for runtime tests: tiny random Llama-family models and the embedded SmolLM2.
+
+Tiny models are built from transformers' config classes with random weights (no downloads) and
+saved as safetensors with a word-level tokenizer, so they load through the same path as any
+local Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from runtime.model_source import resolve_model
+
+TINY_VOCAB = 96
+
+
+def tiny_config(kind: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    if kind == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if kind == "mistral":
+        return MistralConfig(**common, rope_theta=1e6, sliding_window=None)
+    if kind == "qwen2":
+        return Qwen2Config(**{**common, "tie_word_embeddings": True}, rope_theta=1e6)
+    raise ValueError(kind)
+
+
+def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def build_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    model.save_pretrained(folder, safe_serialization=True)
+    save_word_tokenizer(folder, TINY_VOCAB)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_folder() -> Path:
+    """The embedded model, converted on first use into the kvtune cache ($KVTUNE_CACHE, else
+    ~/.cache/kvtune) that every test and run on this machine shares: one conversion each."""
+    return resolve_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session", params=["llama", "mistral", "qwen2"])
+def tiny_model(request, tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp(request.param), request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
