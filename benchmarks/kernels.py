@@ -1,4 +1,3 @@
-# ruff: noqa: E402  (the sys.path fix below must run before the kvtune imports)
 """Decode-attention benchmark: paged fp16 / fp8 / fp4 caches, with and without CSA compression.
 
 Decode is memory-bound, so each row reports the KV bytes read, the achieved bandwidth, that
@@ -6,23 +5,18 @@ bandwidth as a share of a plain device copy measured in the same run, and the sp
 fp16 paged kernel and over `F.scaled_dot_product_attention` on a dense fp16 cache.
 
     python -m benchmarks.kernels                  # CUDA: full grid (batch 1/8/32, 4K/32K/128K)
-    python -m benchmarks.kernels --smoke          # a small grid; on CPU, the torch references
+    python -m benchmarks.kernels --smoke          # a small grid; on CPU, the torch paths
 
-On CPU (no CUDA, or --device cpu) the torch reference paths run on a tiny grid instead of the
-Triton kernels (no interpreter), so that the table and its columns can be checked anywhere.
+On CPU (no CUDA, or --device cpu) the torch paths the runtime's `torch` backend uses (batched
+torch attention, reference merge) run on a tiny grid instead of the Triton kernels (no
+interpreter), so that the table and its columns can be checked anywhere. Run benchmarks as
+modules (`python -m benchmarks.NAME`): as a script, this file's name would shadow `kernels`.
 """
-
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):
-    # Run as `python benchmarks/kernels.py`: this folder comes first on sys.path and this file's
-    # name would shadow the `kernels` package.
-    sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.attention import PagedStream
-from kernels.attention_decode import decode_attention, decode_attention_ref
+from kernels.attention_decode import decode_attention
 from kernels.attention_merge import merge_attention, merge_attention_ref
+from kernels.attention_torch import decode_attention_torch
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool
 
@@ -107,8 +102,13 @@ def random_stream(
     pools = []
     for _ in range(2):
         pool = KVPool.allocate(
-            fmt, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim,
-            torch.tensor([0.05], device=device), device,
+            fmt,
+            num_blocks,
+            shape.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            torch.tensor([0.05], device=device),
+            device,
         )
         if fmt.dtype == "fp8":
             pool.codes.random_(0, 0x60)  # E4M3 magnitudes up to 16, no NaN code
@@ -190,7 +190,7 @@ def measure_paged(
         for length, stride, bias in layout
     ]
     use_triton = device == "cuda"
-    decode = decode_attention if use_triton else decode_attention_ref
+    decode = decode_attention if use_triton else decode_attention_torch
     merge = merge_attention if use_triton else merge_attention_ref
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device)
     scale = shape.head_dim**-0.5
@@ -201,7 +201,7 @@ def measure_paged(
 
     ms = time_ms(step, grid.iterations, device)
     vectors = batch * sum(length for length, _, _ in layout)
-    note = "" if use_triton else "torch ref"
+    note = "" if use_triton else "torch"
     method = method_name(name, compressed, grid)
     return Row(method, batch, context, ms, kv_bytes(fmt, shape, vectors), note)
 
@@ -245,7 +245,9 @@ def run_grid(shape: Shape, grid: Grid, device: str) -> list[Row]:
             rows.append(
                 guarded(
                     lambda b=batch, c=context: measure_sdpa(b, c, shape, grid, device),
-                    Row("SDPA dense", batch, context), dense_bytes, device,
+                    Row("SDPA dense", batch, context),
+                    dense_bytes,
+                    device,
                 )
             )
             for name, fmt in FORMATS.items():
@@ -258,7 +260,9 @@ def run_grid(shape: Shape, grid: Grid, device: str) -> list[Row]:
                             lambda n=name, z=compressed, b=batch, c=context: measure_paged(
                                 n, z, b, c, shape, grid, device
                             ),
-                            Row(method, batch, context), needed, device,
+                            Row(method, batch, context),
+                            needed,
+                            device,
                         )
                     )
     return rows
@@ -274,8 +278,16 @@ def render(rows: list[Row], copy_gbps: float, device: str) -> Table:
     """The results table: one line a configuration, speed-ups against the same batch/context."""
     table = Table(title=f"decode attention on {device} (device copy {copy_gbps:.1f} GB/s)")
     for column in (
-        "method", "batch", "context", "median ms", "KV MB", "GB/s", "% copy",
-        "vs fp16 paged", "vs SDPA dense", "note",
+        "method",
+        "batch",
+        "context",
+        "median ms",
+        "KV MB",
+        "GB/s",
+        "% copy",
+        "vs fp16 paged",
+        "vs SDPA dense",
+        "note",
     ):
         justify = "left" if column in ("method", "note") else "right"
         table.add_column(column, justify=justify, no_wrap=True)

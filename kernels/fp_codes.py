@@ -25,6 +25,8 @@ ties to the even code) used to check the device functions.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -215,6 +217,27 @@ def pack_e2m1_ref(nibbles: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"nibbles.shape[-1]={nibbles.shape[-1]}: must be even to pack")
     nibbles = nibbles.to(torch.uint8)
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def decode_e4m3_fast(code: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 codes -> fp32 through torch's float8_e4m3fn (the oracle `decode_e4m3_ref` is
+    tested against): the hot path of the torch backend, bit-identical and much faster."""
+    return code.view(torch.float8_e4m3fn).float()
+
+
+@functools.cache
+def _e2m1_pair_table(device: torch.device) -> torch.Tensor:
+    """fp32 [256, 2]: the two values (low nibble, high nibble) of every packed E2M1 byte."""
+    nibbles = unpack_e2m1_ref(torch.arange(256, dtype=torch.uint8, device=device)[:, None])
+    return decode_e2m1_ref(nibbles)
+
+
+def decode_packed_e2m1_fast(packed: torch.Tensor) -> torch.Tensor:
+    """Packed E2M1 bytes [..., D/2] -> fp32 [..., D] by table lookup (same values as
+    `decode_e2m1_ref(unpack_e2m1_ref(packed))`)."""
+    table = _e2m1_pair_table(packed.device)
+    values = table.index_select(0, packed.reshape(-1).int())
+    return values.view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def unpack_e2m1_ref(packed: torch.Tensor) -> torch.Tensor:

@@ -38,16 +38,16 @@ import triton.language as tl
 
 from kernels.fp_codes import (
     decode_e2m1,
-    decode_e2m1_ref,
     decode_e4m3,
+    decode_e4m3_fast,
     decode_e4m3_ref,
+    decode_packed_e2m1_fast,
     encode_e2m1,
     encode_e2m1_ref,
     encode_e4m3,
     encode_e4m3_ref,
     pack_e2m1_ref,
     round_to_bf16,
-    unpack_e2m1_ref,
 )
 from kernels.kv_format import KVFormat
 
@@ -257,8 +257,18 @@ def _quantize_kernel(
     offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
     x = tl.load(x_ptr + offsets, mask=mask[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
     quantize_store_tile(
-        codes_ptr, scales_ptr, tensor_scale_ptr, rows, 0, mask, x.to(tl.float32),
-        1, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3,
+        codes_ptr,
+        scales_ptr,
+        tensor_scale_ptr,
+        rows,
+        0,
+        mask,
+        x.to(tl.float32),
+        1,
+        HEAD_DIM,
+        CODE,
+        GROUP_SIZE,
+        SCALE_E4M3,
     )
 
 
@@ -280,8 +290,18 @@ def _dequantize_kernel(
     mask = rows < num_vectors
     dims = tl.arange(0, BLOCK_D)
     values = load_dequant_tile(
-        codes_ptr, scales_ptr, tensor_scale_ptr, rows, 0, mask, dims,
-        1, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3,
+        codes_ptr,
+        scales_ptr,
+        tensor_scale_ptr,
+        rows,
+        0,
+        mask,
+        dims,
+        1,
+        HEAD_DIM,
+        CODE,
+        GROUP_SIZE,
+        SCALE_E4M3,
     )
     offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
     out_mask = mask[:, None] & (dims[None, :] < HEAD_DIM)
@@ -310,16 +330,21 @@ def quantize(
     tensor_scale = tensor_scale_or_one(tensor_scale, x.device)
     codes = x.new_empty(*x.shape[:-1], code_width(fmt, head_dim), dtype=fmt.code_torch_dtype)
     groups = fmt.scales_per_vector(head_dim)
-    scales = (
-        x.new_empty(*x.shape[:-1], groups, dtype=fmt.scale_torch_dtype) if groups else None
-    )
+    scales = x.new_empty(*x.shape[:-1], groups, dtype=fmt.scale_torch_dtype) if groups else None
     num_vectors = x.numel() // head_dim if head_dim else 0
     if num_vectors == 0:
         return codes, scales
     programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
     _quantize_kernel[(programs,)](
-        x, codes, scales if scales is not None else codes, tensor_scale, num_vectors,
-        HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d, **format_switches(fmt),
+        x,
+        codes,
+        scales if scales is not None else codes,
+        tensor_scale,
+        num_vectors,
+        HEAD_DIM=head_dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        **format_switches(fmt),
     )
     return codes, scales
 
@@ -343,8 +368,15 @@ def dequantize(
         return out
     programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
     _dequantize_kernel[(programs,)](
-        codes, scales.contiguous() if scales is not None else codes, tensor_scale, out,
-        num_vectors, HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d, **format_switches(fmt),
+        codes,
+        scales.contiguous() if scales is not None else codes,
+        tensor_scale,
+        out,
+        num_vectors,
+        HEAD_DIM=head_dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        **format_switches(fmt),
     )
     return out
 
@@ -409,11 +441,9 @@ def dequantize_ref(
     _check_codes(codes, scales, fmt, head_dim)
     if not fmt.quantized:
         return codes.to(out_dtype)
-    if fmt.dtype == "fp8":
-        values = decode_e4m3_ref(codes)
-    else:
-        values = decode_e2m1_ref(unpack_e2m1_ref(codes))
+    decode = decode_e4m3_fast if fmt.dtype == "fp8" else decode_packed_e2m1_fast
+    values = decode(codes)
     if scales is not None:
-        scale = decode_e4m3_ref(scales) if fmt.scale_dtype == "e4m3" else scales.float()
+        scale = decode_e4m3_fast(scales) if fmt.scale_dtype == "e4m3" else scales.float()
         values = (values.unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
     return (values * tensor_scale_or_one(tensor_scale, codes.device)).to(out_dtype)

@@ -13,7 +13,9 @@ from kernels.fp_codes import (
     decode_e2m1,
     decode_e2m1_ref,
     decode_e4m3,
+    decode_e4m3_fast,
     decode_e4m3_ref,
+    decode_packed_e2m1_fast,
     encode_e2m1,
     encode_e2m1_ref,
     encode_e4m3,
@@ -57,8 +59,23 @@ def _e4m3_inputs() -> torch.Tensor:
         torch.randint(-14, 11, (4000,), generator=generator).float()
     )
     special = torch.tensor(
-        [0.0, 2.0**-6, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1e-40, 1e-45, 2.0**-126,
-         448.0, 449.0, 464.0, 480.0, 1e6, 3.4e38, torch.inf]
+        [
+            0.0,
+            2.0**-6,
+            2.0**-9,
+            2.0**-10,
+            3 * 2.0**-11,
+            1e-40,
+            1e-45,
+            2.0**-126,
+            448.0,
+            449.0,
+            464.0,
+            480.0,
+            1e6,
+            3.4e38,
+            torch.inf,
+        ]
     )
     return torch.cat((_with_neighbours(torch.cat((values, midpoints, special))), scattered))
 
@@ -166,3 +183,15 @@ def test_round_to_bf16_bit_exact_with_torch() -> None:
     expected = x.bfloat16()
     assert torch.equal(result.view(torch.int16), expected.view(torch.int16))
     assert torch.isnan(_apply(round_to_bf16, torch.tensor([torch.nan]), torch.bfloat16)).all()
+
+
+def test_fast_decoders_equal_the_references_on_every_code():
+    codes = torch.arange(256, dtype=torch.uint8)
+    fast, ref = decode_e4m3_fast(codes), decode_e4m3_ref(codes)
+    assert torch.equal(fast.isnan(), ref.isnan())
+    assert torch.equal(fast[~ref.isnan()].view(torch.int32), ref[~ref.isnan()].view(torch.int32))
+    packed = codes.reshape(4, 64)
+    expected = decode_e2m1_ref(unpack_e2m1_ref(packed))
+    assert torch.equal(
+        decode_packed_e2m1_fast(packed).view(torch.int32), expected.view(torch.int32)
+    )
