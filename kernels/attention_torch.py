@@ -9,8 +9,10 @@ Same signatures as the Triton launchers, so the runtime can swap them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from kernels.attention import PagedStream
 from kernels.pool import read_vectors_ref
@@ -35,6 +37,48 @@ def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...
     return keys, values, positions, valid
 
 
+@dataclass(frozen=True)
+class _PaddedQueries:
+    """Packed queries laid out [B, Q, Hq, D] (Q = longest chunk) with their positions."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor  # [B, Q]
+    rows: torch.Tensor  # packed row of each valid (b, q), in order
+
+
+def _pad_queries(
+    q: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    q_seq_starts: torch.Tensor,
+    max_q_len: int | None,
+) -> _PaddedQueries:
+    device = q.device
+    starts = q_seq_starts.long()
+    counts = starts[1:] - starts[:-1]
+    width = max_q_len or int(counts.max())
+    offsets = torch.arange(width, device=device)
+    valid = offsets[None, :] < counts[:, None]
+    rows = (starts[:-1, None] + offsets[None, :])[valid]
+    num_seqs = counts.shape[0]
+    queries = torch.zeros(num_seqs, width, *q.shape[1:], device=device)
+    queries[valid] = q[rows].float()
+    positions = torch.zeros(num_seqs, width, dtype=torch.long, device=device)
+    if q_positions is not None:
+        positions[valid] = q_positions.long()[rows]
+    return _PaddedQueries(queries, positions, valid, rows)
+
+
+def _visible(
+    padded: _PaddedQueries, key_positions: torch.Tensor, key_valid: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """bool [B, Q, L]: which keys each query may attend to."""
+    visible = key_valid[:, None, :]
+    if causal:
+        return visible & (key_positions[:, None, :] <= padded.positions[:, :, None])
+    return visible.expand(-1, padded.queries.shape[1], -1)
+
+
 def paged_attention_torch(
     q: torch.Tensor,
     q_positions: torch.Tensor | None,
@@ -54,29 +98,18 @@ def paged_attention_torch(
     max_len = int(stream.lengths.max()) if stream.num_seqs else 0
     if num_tokens == 0 or max_len == 0:
         return out, lse
-    starts = q_seq_starts.long()
-    counts = starts[1:] - starts[:-1]
-    width = max_q_len or int(counts.max())
-    offsets = torch.arange(width, device=device)
-    q_valid = offsets[None, :] < counts[:, None]  # [B, Q]
-    q_rows = (starts[:-1, None] + offsets[None, :])[q_valid]
-    num_seqs, num_kv_heads = stream.num_seqs, stream.num_kv_heads
+    padded = _pad_queries(q, q_positions, q_seq_starts, max_q_len)
+    num_seqs, width = padded.valid.shape
+    num_kv_heads = stream.num_kv_heads
     group = num_q_heads // num_kv_heads
-
     keys, values, key_positions, key_valid = _gather_stream(stream, max_len)
-    queries = torch.zeros(num_seqs, width, num_q_heads, head_dim, device=device)
-    queries[q_valid] = q[q_rows].float()
     # [B, Hkv, Q * G, D] x [B, Hkv, D, L]: every query head of a KV head in one matmul.
-    queries = queries.view(num_seqs, width, num_kv_heads, group, head_dim)
+    queries = padded.queries.view(num_seqs, width, num_kv_heads, group, head_dim)
     queries = queries.permute(0, 2, 1, 3, 4).reshape(
         num_seqs, num_kv_heads, width * group, head_dim
     )
     logits = queries @ keys.permute(0, 2, 3, 1)
-    visible = key_valid[:, None, :]  # [B, 1, L] against [B, Q, L]
-    if q_positions is not None:
-        padded_positions = torch.zeros(num_seqs, width, dtype=torch.long, device=device)
-        padded_positions[q_valid] = q_positions.long()[q_rows]
-        visible = visible & (key_positions[:, None, :] <= padded_positions[:, :, None])
+    visible = _visible(padded, key_positions, key_valid, q_positions is not None)
     # Additive mask [B, 1, Q, 1, L], shared by every head; logits become [B, Hkv, Q, G, L].
     bias = torch.full(visible.shape, -math.inf, device=device).masked_fill(visible, 0.0)
     logits = logits.view(num_seqs, num_kv_heads, width, group, max_len).mul_(scale)
@@ -91,9 +124,43 @@ def paged_attention_torch(
     # Back to packed rows: [B, Q, Hkv, G, D] -> [Nq, Hq, D].
     seq_out = seq_out.permute(0, 2, 1, 3, 4).reshape(num_seqs, width, num_q_heads, head_dim)
     seq_lse = seq_lse.permute(0, 2, 1, 3).reshape(num_seqs, width, num_q_heads)
-    out[q_rows] = seq_out[q_valid]
-    lse[q_rows] = seq_lse[q_valid]
+    out[padded.rows] = seq_out[padded.valid]
+    lse[padded.rows] = seq_lse[padded.valid]
     return out, lse
+
+
+def single_stream_attention_torch(
+    q: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    q_seq_starts: torch.Tensor,
+    stream: PagedStream,
+    scale: float,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    """out fp32 [Nq, Hq, D] when the stream is a sequence's whole cache: no log-sum-exp is
+    needed for merging, so torch's fused scaled_dot_product_attention does the work."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    max_len = int(stream.lengths.max()) if stream.num_seqs else 0
+    if num_tokens == 0 or max_len == 0:
+        return out
+    padded = _pad_queries(q, q_positions, q_seq_starts, max_q_len)
+    keys, values, key_positions, key_valid = _gather_stream(stream, max_len)
+    visible = _visible(padded, key_positions, key_valid, q_positions is not None)
+    mask = torch.full(visible.shape, -math.inf, device=q.device).masked_fill(
+        visible, stream.logit_bias
+    )
+    seq_out = F.scaled_dot_product_attention(
+        padded.queries.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=True,
+    ).transpose(1, 2)
+    # Padded query rows may see no key (NaN from SDPA); they are dropped here.
+    out[padded.rows] = seq_out[padded.valid].nan_to_num(0.0)
+    return out
 
 
 def stream_attention_torch(

@@ -11,10 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from kernels.attention import stream_attention
 from kernels.attention_decode import decode_attention
 from kernels.attention_merge import merge_attention, merge_attention_ref
-from kernels.attention_torch import decode_attention_torch, stream_attention_torch
+from kernels.attention import PagedStream
+from kernels.attention_torch import (
+    decode_attention_torch,
+    single_stream_attention_torch,
+    stream_attention_torch,
+)
 from kernels.cache_write import write_kv, write_kv_ref
 from kernels.compress import compress_blocks, compress_blocks_ref
 from runtime.errors import ConfigError
@@ -27,6 +34,22 @@ class CacheOps:
     decode_attention: Callable
     merge_attention: Callable
     compress_blocks: Callable
+    # Attention when one stream is each sequence's whole cache (no LSE to merge); positions
+    # None = decode.
+    single_stream_attention: Callable
+
+
+def single_stream_attention_triton(
+    q: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    q_seq_starts: torch.Tensor,
+    stream: PagedStream,
+    scale: float,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
+    if q_positions is None:
+        return decode_attention(q, stream, scale)[0]
+    return stream_attention(q, q_positions, q_seq_starts, stream, scale, max_q_len)[0]
 
 
 BACKENDS: dict[str, CacheOps] = {
@@ -36,9 +59,15 @@ BACKENDS: dict[str, CacheOps] = {
         decode_attention_torch,
         merge_attention_ref,
         compress_blocks_ref,
+        single_stream_attention_torch,
     ),
     "triton": CacheOps(
-        write_kv, stream_attention, decode_attention, merge_attention, compress_blocks
+        write_kv,
+        stream_attention,
+        decode_attention,
+        merge_attention,
+        compress_blocks,
+        single_stream_attention_triton,
     ),
 }
 

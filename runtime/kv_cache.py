@@ -187,9 +187,8 @@ class KVCache:
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])
-        partials = []
-        for spec in layout.streams:
-            stream = PagedStream(
+        streams = [
+            PagedStream(
                 pools.k[spec.kind],
                 pools.v[spec.kind],
                 spec.block_table,
@@ -198,15 +197,23 @@ class KVCache:
                 spec.position_stride,
                 spec.logit_bias,
             )
-            if layout.decode_only:
-                partials.append(self.ops.decode_attention(q, stream, scale))
-            else:
-                partials.append(
-                    self.ops.stream_attention(
-                        q, layout.q_positions, layout.q_seq_starts, stream, scale, layout.max_q_len
-                    )
-                )
-        out, _ = partials[0] if len(partials) == 1 else self.ops.merge_attention(partials)
+            for spec in layout.streams
+        ]
+        positions = None if layout.decode_only else layout.q_positions
+        if len(streams) == 1:
+            out = self.ops.single_stream_attention(
+                q, positions, layout.q_seq_starts, streams[0], scale, layout.max_q_len
+            )
+            return out.to(q.dtype)
+        partials = [
+            self.ops.decode_attention(q, stream, scale)
+            if layout.decode_only
+            else self.ops.stream_attention(
+                q, positions, layout.q_seq_starts, stream, scale, layout.max_q_len
+            )
+            for stream in streams
+        ]
+        out, _ = self.ops.merge_attention(partials)
         return out.to(q.dtype)
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:

@@ -1,10 +1,15 @@
 """The batched torch path equals the per-sequence reference and SDPA."""
 
 import pytest
+import torch
 
 from kernels.attention import stream_attention_ref
 from kernels.attention_decode import decode_attention_ref
-from kernels.attention_torch import decode_attention_torch, stream_attention_torch
+from kernels.attention_torch import (
+    decode_attention_torch,
+    single_stream_attention_torch,
+    stream_attention_torch,
+)
 from tests.kernels.test_attention import (
     FORMATS,
     LENGTHS,
@@ -40,7 +45,11 @@ def test_batched_torch_attention_matches_reference(
     if not summary:
         assert_matches_sdpa(*result, q, q_positions, q_seq_starts, [case], scale)
     decode_q = q[: len(LENGTHS)]
-    assert_close(
-        decode_attention_torch(decode_q, case.stream, scale),
-        decode_attention_ref(decode_q, case.stream, scale),
-    )
+    decode_reference = decode_attention_ref(decode_q, case.stream, scale)
+    assert_close(decode_attention_torch(decode_q, case.stream, scale), decode_reference)
+    # Without the log-sum-exp (one stream is the whole cache): fused SDPA, same outputs.
+    single = single_stream_attention_torch(q, q_positions, q_seq_starts, case.stream, scale)
+    assert (single - result[0]).norm() <= 1e-5 * result[0].norm()
+    seq_starts = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
+    single_decode = single_stream_attention_torch(decode_q, None, seq_starts, case.stream, scale)
+    assert (single_decode - decode_reference[0]).norm() <= 1e-5 * decode_reference[0].norm()
