@@ -176,8 +176,18 @@ def _stream_attention_kernel(
         blocks = tl.load(block_table_row + keys // BLOCK_SIZE, mask=key_valid, other=0)
         slots = blocks.to(tl.int64) * BLOCK_SIZE + keys % BLOCK_SIZE
         k = load_dequant_tile(
-            k_codes_ptr, k_scales_ptr, k_tensor_scale_ptr, slots, kv_head, key_valid, dims,
-            NUM_KV_HEADS, HEAD_DIM, K_CODE, K_GROUP_SIZE, K_SCALE_E4M3,
+            k_codes_ptr,
+            k_scales_ptr,
+            k_tensor_scale_ptr,
+            slots,
+            kv_head,
+            key_valid,
+            dims,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            K_CODE,
+            K_GROUP_SIZE,
+            K_SCALE_E4M3,
         )
         logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 + bias_log2
         seen = row_valid[:, None] & key_valid[None, :]
@@ -192,8 +202,18 @@ def _stream_attention_kernel(
         alpha = tl.exp2(m_i - m_shift)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = load_dequant_tile(
-            v_codes_ptr, v_scales_ptr, v_tensor_scale_ptr, slots, kv_head, key_valid, dims,
-            NUM_KV_HEADS, HEAD_DIM, V_CODE, V_GROUP_SIZE, V_SCALE_E4M3,
+            v_codes_ptr,
+            v_scales_ptr,
+            v_tensor_scale_ptr,
+            slots,
+            kv_head,
+            key_valid,
+            dims,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            V_CODE,
+            V_GROUP_SIZE,
+            V_SCALE_E4M3,
         )
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -244,16 +264,30 @@ def paged_attention_partials(
     full_precision = "fp32" in (stream.k.fmt.dtype, stream.v.fmt.dtype)
     grid = (stream.num_seqs, stream.num_kv_heads, row_tiles * num_splits)
     _stream_attention_kernel[grid](
-        q, q_positions if q_positions is not None else q_seq_starts, q_seq_starts,
+        q,
+        q_positions if q_positions is not None else q_seq_starts,
+        q_seq_starts,
         # A format without group scales never reads its scales pointer: pass the codes.
-        stream.k.codes, stream.k.scales if stream.k.scales is not None else stream.k.codes,
+        stream.k.codes,
+        stream.k.scales if stream.k.scales is not None else stream.k.codes,
         stream.k.tensor_scale,
-        stream.v.codes, stream.v.scales if stream.v.scales is not None else stream.v.codes,
+        stream.v.codes,
+        stream.v.scales if stream.v.scales is not None else stream.v.codes,
         stream.v.tensor_scale,
-        stream.block_table, stream.lengths, stream.start_positions,
-        out, lse,
-        scale * LOG2_E, stream.logit_bias * LOG2_E, stream.position_stride, num_splits,
-        q.stride(0), q.stride(1), stream.block_table.stride(0), out.stride(0), lse.stride(0),
+        stream.block_table,
+        stream.lengths,
+        stream.start_positions,
+        out,
+        lse,
+        scale * LOG2_E,
+        stream.logit_bias * LOG2_E,
+        stream.position_stride,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        stream.block_table.stride(0),
+        out.stride(0),
+        lse.stride(0),
         NUM_Q_HEADS=num_q_heads,
         NUM_KV_HEADS=stream.num_kv_heads,
         HEAD_DIM=head_dim,

@@ -71,7 +71,12 @@ def merge_stacked(
         return out, lse
     block_r = 16
     _merge_kernel[(triton.cdiv(num_rows, block_r),)](
-        parts_out, parts_lse, out, lse, num_parts, num_rows,
+        parts_out,
+        parts_lse,
+        out,
+        lse,
+        num_parts,
+        num_rows,
         HEAD_DIM=head_dim,
         BLOCK_R=block_r,
         BLOCK_D=triton.next_power_of_2(head_dim),

@@ -55,14 +55,34 @@ def _write_kv_kernel(
     k_offsets = tokens[:, None] * stride_k_token + heads[:, None] * stride_k_head + dims[None, :]
     k = tl.load(k_ptr + k_offsets, mask=load_mask, other=0.0).to(tl.float32)
     quantize_store_tile(
-        k_codes_ptr, k_scales_ptr, k_tensor_scale_ptr, slots, heads, mask, k,
-        NUM_HEADS, HEAD_DIM, K_CODE, K_GROUP_SIZE, K_SCALE_E4M3,
+        k_codes_ptr,
+        k_scales_ptr,
+        k_tensor_scale_ptr,
+        slots,
+        heads,
+        mask,
+        k,
+        NUM_HEADS,
+        HEAD_DIM,
+        K_CODE,
+        K_GROUP_SIZE,
+        K_SCALE_E4M3,
     )
     v_offsets = tokens[:, None] * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
     v = tl.load(v_ptr + v_offsets, mask=load_mask, other=0.0).to(tl.float32)
     quantize_store_tile(
-        v_codes_ptr, v_scales_ptr, v_tensor_scale_ptr, slots, heads, mask, v,
-        NUM_HEADS, HEAD_DIM, V_CODE, V_GROUP_SIZE, V_SCALE_E4M3,
+        v_codes_ptr,
+        v_scales_ptr,
+        v_tensor_scale_ptr,
+        slots,
+        heads,
+        mask,
+        v,
+        NUM_HEADS,
+        HEAD_DIM,
+        V_CODE,
+        V_GROUP_SIZE,
+        V_SCALE_E4M3,
     )
 
 
@@ -107,14 +127,26 @@ def write_kv(
         return
     programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
     _write_kv_kernel[(programs,)](
-        k_new, v_new, slot_mapping.contiguous(),
-        k_pool.codes, k_pool.scales if k_pool.scales is not None else k_pool.codes,
+        k_new,
+        v_new,
+        slot_mapping.contiguous(),
+        k_pool.codes,
+        k_pool.scales if k_pool.scales is not None else k_pool.codes,
         k_pool.tensor_scale,
-        v_pool.codes, v_pool.scales if v_pool.scales is not None else v_pool.codes,
+        v_pool.codes,
+        v_pool.scales if v_pool.scales is not None else v_pool.codes,
         v_pool.tensor_scale,
-        num_vectors, k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_R=block_r, BLOCK_D=block_d,
-        **format_switches(k_pool.fmt, "K_"), **format_switches(v_pool.fmt, "V_"),
+        num_vectors,
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        **format_switches(k_pool.fmt, "K_"),
+        **format_switches(v_pool.fmt, "V_"),
     )
 
 

@@ -58,24 +58,52 @@ def _compress_kernel(
     dst_slots = tl.load(dst_slots_ptr + summaries, mask=in_range, other=-1).to(tl.int64)
     mask = in_range & (dst_slots >= 0)
     blocks = tl.load(src_block_ids_ptr + summaries // SUMMARIES_PER_BLOCK, mask=mask, other=0)
-    first_rows = (
-        blocks.to(tl.int64) * BLOCK_SIZE + (summaries % SUMMARIES_PER_BLOCK) * RATIO
-    )
+    first_rows = blocks.to(tl.int64) * BLOCK_SIZE + (summaries % SUMMARIES_PER_BLOCK) * RATIO
     dims = tl.arange(0, BLOCK_D)
     # The sum starts from token 0 itself, not from 0.0, so that a -0.0 survives a ratio-1 copy.
     total = load_dequant_tile(
-        src_codes_ptr, src_scales_ptr, src_tensor_scale_ptr, first_rows, heads,
-        mask, dims, NUM_HEADS, HEAD_DIM, SRC_CODE, SRC_GROUP_SIZE, SRC_SCALE_E4M3,
+        src_codes_ptr,
+        src_scales_ptr,
+        src_tensor_scale_ptr,
+        first_rows,
+        heads,
+        mask,
+        dims,
+        NUM_HEADS,
+        HEAD_DIM,
+        SRC_CODE,
+        SRC_GROUP_SIZE,
+        SRC_SCALE_E4M3,
     )
     for token in tl.static_range(1, RATIO):
         total += load_dequant_tile(
-            src_codes_ptr, src_scales_ptr, src_tensor_scale_ptr, first_rows + token, heads,
-            mask, dims, NUM_HEADS, HEAD_DIM, SRC_CODE, SRC_GROUP_SIZE, SRC_SCALE_E4M3,
+            src_codes_ptr,
+            src_scales_ptr,
+            src_tensor_scale_ptr,
+            first_rows + token,
+            heads,
+            mask,
+            dims,
+            NUM_HEADS,
+            HEAD_DIM,
+            SRC_CODE,
+            SRC_GROUP_SIZE,
+            SRC_SCALE_E4M3,
         )
     mean = tl.math.div_rn(total, tl.full(total.shape, RATIO, tl.float32))
     quantize_store_tile(
-        dst_codes_ptr, dst_scales_ptr, dst_tensor_scale_ptr, dst_slots, heads, mask, mean,
-        NUM_HEADS, HEAD_DIM, DST_CODE, DST_GROUP_SIZE, DST_SCALE_E4M3,
+        dst_codes_ptr,
+        dst_scales_ptr,
+        dst_tensor_scale_ptr,
+        dst_slots,
+        heads,
+        mask,
+        mean,
+        NUM_HEADS,
+        HEAD_DIM,
+        DST_CODE,
+        DST_GROUP_SIZE,
+        DST_SCALE_E4M3,
     )
 
 
@@ -88,9 +116,7 @@ def _check_compress(
 ) -> None:
     """Raise early on a ratio, index tensor or pool pair that cannot be pooled."""
     if ratio < 1 or src_pool.block_size % ratio:
-        raise ValueError(
-            f"ratio={ratio}: must be >= 1 and divide block_size={src_pool.block_size}"
-        )
+        raise ValueError(f"ratio={ratio}: must be >= 1 and divide block_size={src_pool.block_size}")
     if (src_pool.num_heads, src_pool.head_dim) != (dst_pool.num_heads, dst_pool.head_dim):
         raise ValueError(
             f"src_pool and dst_pool: need equal heads and head_dim, got "
@@ -124,14 +150,23 @@ def compress_blocks(
         return
     programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
     _compress_kernel[(programs,)](
-        src_pool.codes, src_pool.scales if src_pool.scales is not None else src_pool.codes,
-        src_pool.tensor_scale, src_block_ids.contiguous(),
-        dst_pool.codes, dst_pool.scales if dst_pool.scales is not None else dst_pool.codes,
-        dst_pool.tensor_scale, dst_slots.contiguous(),
+        src_pool.codes,
+        src_pool.scales if src_pool.scales is not None else src_pool.codes,
+        src_pool.tensor_scale,
+        src_block_ids.contiguous(),
+        dst_pool.codes,
+        dst_pool.scales if dst_pool.scales is not None else dst_pool.codes,
+        dst_pool.tensor_scale,
+        dst_slots.contiguous(),
         num_vectors,
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=src_pool.block_size, RATIO=ratio,
-        BLOCK_R=block_r, BLOCK_D=block_d,
-        **format_switches(src_pool.fmt, "SRC_"), **format_switches(dst_pool.fmt, "DST_"),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=src_pool.block_size,
+        RATIO=ratio,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        **format_switches(src_pool.fmt, "SRC_"),
+        **format_switches(dst_pool.fmt, "DST_"),
     )
 
 

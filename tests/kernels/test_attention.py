@@ -57,14 +57,10 @@ def _stored_values(dense: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     return dequantize_ref(codes, scales, fmt, _tensor_scale(fmt), dense.shape[-1])
 
 
-def _poisoned_pool(
-    fmt: KVFormat, num_blocks: int, block_size: int, heads: int, dim: int
-) -> KVPool:
+def _poisoned_pool(fmt: KVFormat, num_blocks: int, block_size: int, heads: int, dim: int) -> KVPool:
     """A pool whose every slot decodes to NaN (fp4 per-tensor codes cannot: they decode to 6)."""
     pool = KVPool.allocate(fmt, num_blocks, block_size, heads, dim, _tensor_scale(fmt))
-    pool.codes.fill_(
-        math.nan if not fmt.quantized else (E4M3_NAN if fmt.dtype == "fp8" else 0x77)
-    )
+    pool.codes.fill_(math.nan if not fmt.quantized else (E4M3_NAN if fmt.dtype == "fp8" else 0x77))
     if pool.scales is not None:
         pool.scales.fill_(E4M3_NAN if fmt.scale_dtype == "e4m3" else math.nan)
     return pool
@@ -280,8 +276,12 @@ def test_decode_attention_matches_reference_and_sdpa(
 def test_decode_default_splits_and_strided_queries():
     """A query slice of a fused QKV tensor (row stride > Hq * D) with the default split count."""
     case = build_stream(
-        [40, 3], num_kv_heads=2, head_dim=64, block_size=16,
-        k_fmt=FORMATS["fp32"], v_fmt=FORMATS["fp32"],
+        [40, 3],
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        k_fmt=FORMATS["fp32"],
+        v_fmt=FORMATS["fp32"],
     )
     qkv = torch.randn(2, 3 * 4 * 64)
     q = qkv[:, : 4 * 64].view(2, 4, 64)
@@ -294,8 +294,12 @@ def test_decode_default_splits_and_strided_queries():
 def test_half_precision_queries(dtype):
     """fp16 / bf16 queries are read as they are (upcast once), for prefill and decode."""
     case = build_stream(
-        [19, 33], num_kv_heads=2, head_dim=64, block_size=16,
-        k_fmt=FORMATS["bf16"], v_fmt=FORMATS["fp16"],
+        [19, 33],
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        k_fmt=FORMATS["bf16"],
+        v_fmt=FORMATS["fp16"],
     )
     q, q_positions, q_seq_starts = extend_queries([4, 6], case, 4)
     q = q.to(dtype)
@@ -314,8 +318,11 @@ def test_summary_stream_matches_sdpa_with_bias():
     ratio = 4
     case = build_stream(
         [0, 3, 9],
-        num_kv_heads=2, head_dim=64, block_size=8,
-        k_fmt=FORMATS["fp32"], v_fmt=FORMATS["fp32"],
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=8,
+        k_fmt=FORMATS["fp32"],
+        v_fmt=FORMATS["fp32"],
         start_positions=[16, 16, 4],
         position_stride=ratio,
         logit_bias=math.log(ratio),
@@ -339,7 +346,8 @@ def test_summary_bias_gives_a_group_of_identical_keys_its_mass():
     fmt = FORMATS["fp32"]
     common = {"num_kv_heads": 2, "head_dim": 64, "block_size": 8, "k_fmt": fmt, "v_fmt": fmt}
     exact = build_stream(
-        [groups * ratio], **common,
+        [groups * ratio],
+        **common,
         dense=([k.repeat_interleave(ratio, 0)], [v.repeat_interleave(ratio, 0)]),
     )
     summary = build_stream(
@@ -428,16 +436,27 @@ def test_csa_composition_matches_one_sdpa(formats):
 
 def test_invalid_streams_raise():
     case = build_stream(
-        [5], num_kv_heads=1, head_dim=64, block_size=8,
-        k_fmt=FORMATS["fp32"], v_fmt=FORMATS["fp32"],
+        [5],
+        num_kv_heads=1,
+        head_dim=64,
+        block_size=8,
+        k_fmt=FORMATS["fp32"],
+        v_fmt=FORMATS["fp32"],
     )
     stream = case.stream
     with pytest.raises(ValueError, match="block_table.dtype"):
-        PagedStream(stream.k, stream.v, stream.block_table.long(), stream.lengths,
-                    stream.start_positions)
+        PagedStream(
+            stream.k, stream.v, stream.block_table.long(), stream.lengths, stream.start_positions
+        )
     with pytest.raises(ValueError, match="position_stride"):
-        PagedStream(stream.k, stream.v, stream.block_table, stream.lengths,
-                    stream.start_positions, position_stride=0)
+        PagedStream(
+            stream.k,
+            stream.v,
+            stream.block_table,
+            stream.lengths,
+            stream.start_positions,
+            position_stride=0,
+        )
     with pytest.raises(ValueError, match="num_q_heads"):
         decode_attention(torch.randn(1, 3, 64), _with_heads(stream, 2), 0.125)
 

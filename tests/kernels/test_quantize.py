@@ -243,8 +243,12 @@ def compile_kernels_for_cuda() -> None:
     from kernels import quantize as quantize_module
 
     tile = {"HEAD_DIM": 96, "BLOCK_R": 32, "BLOCK_D": 128}
-    for fmt in (KVFormat("fp8", 32), KVFormat("fp4", 16, "e4m3"), KVFormat("fp8"),
-                KVFormat("bf16")):
+    for fmt in (
+        KVFormat("fp8", 32),
+        KVFormat("fp4", 16, "e4m3"),
+        KVFormat("fp8"),
+        KVFormat("bf16"),
+    ):
         pointers = {
             "x_ptr": "*bf16",
             "out_ptr": "*bf16",
@@ -257,19 +261,25 @@ def compile_kernels_for_cuda() -> None:
     first, second = KVFormat("fp4", 16, "e4m3"), KVFormat("fp8", 32)
     pool_pointers = {"codes_ptr": "*u8", "tensor_scale_ptr": "*fp32"}
     pointers = {
-        "k_ptr": "*fp16", "v_ptr": "*fp16", "slot_mapping_ptr": "*i64",
-        "k_scales_ptr": "*u8", "v_scales_ptr": "*fp16",
+        "k_ptr": "*fp16",
+        "v_ptr": "*fp16",
+        "slot_mapping_ptr": "*i64",
+        "k_scales_ptr": "*u8",
+        "v_scales_ptr": "*fp16",
         **{f"{which}_{name}": kind for which in "kv" for name, kind in pool_pointers.items()},
     }
     switches = {**format_switches(first, "K_"), **format_switches(second, "V_")}
-    _compile_for_sm90(
-        cache_write._write_kv_kernel, pointers, {"NUM_HEADS": 8, **tile, **switches}
-    )
+    _compile_for_sm90(cache_write._write_kv_kernel, pointers, {"NUM_HEADS": 8, **tile, **switches})
     pointers = {
-        "src_block_ids_ptr": "*i32", "dst_slots_ptr": "*i64",
-        "src_scales_ptr": "*u8", "dst_scales_ptr": "*fp16",
-        **{f"{which}_{name}": kind for which in ("src", "dst")
-           for name, kind in pool_pointers.items()},
+        "src_block_ids_ptr": "*i32",
+        "dst_slots_ptr": "*i64",
+        "src_scales_ptr": "*u8",
+        "dst_scales_ptr": "*fp16",
+        **{
+            f"{which}_{name}": kind
+            for which in ("src", "dst")
+            for name, kind in pool_pointers.items()
+        },
     }
     switches = {**format_switches(first, "SRC_"), **format_switches(second, "DST_")}
     constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, **tile, **switches}
@@ -281,7 +291,11 @@ def test_kernels_compile_for_cuda() -> None:
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     script = "from tests.kernels.test_quantize import compile_kernels_for_cuda as c; c()"
     result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", script],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-4000:]
