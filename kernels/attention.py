@@ -25,7 +25,7 @@ from kernels.pool import KVPool, read_vectors_ref
 from kernels.quantize import format_switches, load_dequant_tile
 
 LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
+LN_2 = tl.constexpr(0.6931471805599453)  # used inside the kernel: must be constexpr
 
 
 @dataclass(frozen=True)

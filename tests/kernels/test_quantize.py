@@ -284,6 +284,45 @@ def compile_kernels_for_cuda() -> None:
     switches = {**format_switches(first, "SRC_"), **format_switches(second, "DST_")}
     constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, **tile, **switches}
     _compile_for_sm90(compress._compress_kernel, pointers, constexprs)
+    compile_attention_for_cuda()
+
+
+def compile_attention_for_cuda() -> None:
+    """The paged attention kernel (causal and decode, fp4 K / fp8 V) and the LSE merge."""
+    from kernels import attention, attention_merge
+
+    pointers = {
+        "q_ptr": "*fp16",
+        "q_positions_ptr": "*i32",
+        "q_seq_starts_ptr": "*i32",
+        "k_codes_ptr": "*u8",
+        "k_scales_ptr": "*u8",
+        "k_tensor_scale_ptr": "*fp32",
+        "v_codes_ptr": "*u8",
+        "v_scales_ptr": "*fp16",
+        "v_tensor_scale_ptr": "*fp32",
+        "block_table_ptr": "*i32",
+        "lengths_ptr": "*i32",
+        "start_positions_ptr": "*i32",
+        "out_ptr": "*fp32",
+        "lse_ptr": "*fp32",
+        "scale_log2": "fp32",
+        "bias_log2": "fp32",
+    }
+    switches = {
+        **format_switches(KVFormat("fp4", 16, "e4m3"), "K_"),
+        **format_switches(KVFormat("fp8", 32), "V_"),
+    }
+    shape = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16}
+    tiles = {"DOT_PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128}
+    for causal in (True, False):
+        constexprs = {**shape, "CAUSAL": causal, **switches, **tiles}
+        _compile_for_sm90(attention._stream_attention_kernel, pointers, constexprs)
+    merge_pointers = {
+        name: "*fp32" for name in ("parts_out_ptr", "parts_lse_ptr", "out_ptr", "lse_ptr")
+    }
+    merge_constexprs = {"HEAD_DIM": 128, "BLOCK_R": 16, "BLOCK_D": 128}
+    _compile_for_sm90(attention_merge._merge_kernel, merge_pointers, merge_constexprs)
 
 
 @pytest.mark.slow
