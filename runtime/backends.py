@@ -13,10 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import stream_attention
+from kernels.attention import PagedStream, stream_attention
 from kernels.attention_decode import decode_attention
 from kernels.attention_merge import merge_attention, merge_attention_ref
-from kernels.attention import PagedStream
 from kernels.attention_torch import (
     decode_attention_torch,
     single_stream_attention_torch,

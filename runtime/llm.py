@@ -52,7 +52,8 @@ class LLM:
     model: "smollm2-135m" (embedded) or a local Hugging Face folder (Llama, Mistral, Qwen2).
     backend: "torch" (reference ops, the CPU default) or "triton" (the kernels).
     kv_budget_bytes: bytes for all KV pools; None sizes them for max_num_seqs sequences of
-        max_model_len tokens.
+        max_model_len tokens, or, with gpu_memory_utilization on CUDA, from the device:
+        total memory x utilization - what the loaded weights occupy - activation_reserve_bytes.
     dtype: compute dtype (fp32 | fp16 | bf16); `auto` K/V streams are stored in it.
     """
 
@@ -69,6 +70,8 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         scheduling: str = "fcfs",
         seed: int = 0,
+        gpu_memory_utilization: float | None = None,
+        activation_reserve_bytes: int = 1 << 30,
     ) -> None:
         self.policy = as_policy(policy)
         ops = cache_ops(backend)
@@ -85,10 +88,18 @@ class LLM:
             scheduling=scheduling,
             seed=seed,
         )
-        pool_sizes(self.arch, self.policy, config)
         self.device = torch.device(device)
+        if gpu_memory_utilization is not None and self.device.type != "cuda":
+            raise ConfigError("gpu_memory_utilization", gpu_memory_utilization, "CUDA devices only")
+        if gpu_memory_utilization is None:
+            pool_sizes(self.arch, self.policy, config)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.model = DecoderModel.from_checkpoint(folder, torch_dtype, device)
+        if gpu_memory_utilization is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            used = torch.cuda.memory_allocated(self.device)
+            budget = int(total * gpu_memory_utilization) - used - activation_reserve_bytes
+            config = dataclasses.replace(config, kv_budget_bytes=budget)
         scales = calibrate_tensor_scales(
             self.model,
             self.tokenizer.encode(CALIBRATION_TEXT),

@@ -185,6 +185,7 @@ def test_triton_backend_agrees_with_torch(tiny_llama):
         ({"backend": "cuda-graphs"}, "backend"),
         ({"kv_budget_bytes": 1000}, "kv_budget_bytes"),
         ({"dtype": "int8"}, "model.dtype"),
+        ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization"),
     ],
 )
 def test_bad_settings_fail_before_weights_load(tiny_llama, monkeypatch, kwargs, field):
