@@ -1,0 +1,73 @@
+"""`kvtune evaluate`: score a KV policy on an accuracy suite against the uncompressed baseline.
+
+    kvtune evaluate policy.k_dtype=fp8 policy.v_dtype=fp4 eval=quick format=json
+    kvtune evaluate eval=full eval.context_tokens=4096
+
+The evaluation (torch, lm-eval) is imported when the command runs, so the other commands
+start quickly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from autotune.settings import build_policy
+from runtime.errors import ConfigError
+
+FORMATS = ("table", "json")
+
+
+def _number(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render_result(result: dict[str, Any], console: Console) -> None:
+    """Per-task scores next to the baseline's, then the suite-wide figures."""
+    table = Table(title=f"kvtune evaluate: {result['suite']} suite, {result['model']}")
+    for column in ("task", "metric", "score", "± stderr", "baseline", "retention", "KL", "top-1"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    for name, task in result["tasks"].items():
+        table.add_row(
+            name,
+            task["metric"],
+            _number(task["score"]),
+            _number(task["stderr"]),
+            _number(task["baseline_score"]),
+            _number(task["retention"]),
+            _number(task["kl"], 4),
+            _number(task["top1_agreement"]),
+        )
+    console.print(table)
+    console.print(
+        f"accuracy retention {_number(result['accuracy_retention'])}, "
+        f"KL {_number(result['kl'], 4)}, top-1 agreement {_number(result['top1_agreement'])}, "
+        f"answer agreement {_number(result['answer_agreement'])}, "
+        f"{result['seconds']:.1f} s (baseline {result['baseline_seconds']:.1f} s)"
+    )
+
+
+def evaluate_task(cfg: DictConfig) -> None:
+    """`kvtune evaluate`: print the evaluation as a table or one JSON object."""
+    if cfg.format not in FORMATS:
+        raise ConfigError("format", cfg.format, f"one of {', '.join(FORMATS)}")
+    policy = build_policy(cfg.policy)
+
+    from autotune.evaluation import evaluate, load_suite
+
+    suite = load_suite(OmegaConf.to_container(cfg.eval, resolve=True))
+    # Libraries may print; stdout carries only the result.
+    cache = Path(cfg.cache).expanduser() if cfg.cache else None
+    with contextlib.redirect_stdout(sys.stderr):
+        result = evaluate(policy, suite, cache)
+    if cfg.format == "json":
+        print(json.dumps(result))
+    else:
+        render_result(result, Console())

@@ -1,0 +1,132 @@
+"""`evaluate(policy, suite)`: a KV policy's accuracy and fidelity against the uncompressed
+baseline on the generated long-context suite."""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from autotune.evaluation.baseline_cache import baseline_run
+from autotune.evaluation.fidelity import Key, task_fidelity
+from autotune.evaluation.scoring import PRIMARY, retention, retention_stderr
+from autotune.evaluation.suite import EvalSuite, load_suite
+from autotune.evaluation.suite_run import SuiteRun, run_suite
+from autotune.evaluation.task_files import TaskFolder, task_folder
+from autotune.evaluation.tasks import QA, TASKS
+from runtime.llm import as_policy
+from runtime.model_source import cache_dir, resolve_model
+from runtime.policy import KVPolicy
+from runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+FIDELITY_KEYS = ("kl", "kl_prompt_tail", "top1_agreement", "answer_agreement")
+
+
+def eval_cache_dir() -> Path:
+    """Generated tasks and cached baselines: <kvtune cache>/eval."""
+    return cache_dir() / "eval"
+
+
+def evaluate(
+    policy: KVPolicy | Mapping[str, Any] | None = None,
+    suite: EvalSuite | Mapping[str, Any] | str = "quick",
+    cache: Path | None = None,
+) -> dict[str, Any]:
+    """Score a KV policy on a suite (a preset name such as "quick" or "full", a dict, or an
+    EvalSuite) against the uncompressed baseline.
+
+    Returns a plain dict (JSON-ready): `tasks` (per task: metric, score, stderr,
+    baseline_score, retention and its stderr, chance, fidelity), `accuracy_retention` (mean
+    over tasks of policy / baseline score; baseline / policy for perplexity) and
+    `accuracy_retention_stderr` (bootstrap, propagated), `kl`, `kl_prompt_tail`,
+    `top1_agreement`, `answer_agreement` (means over tasks), `seconds` (this policy's cost:
+    loading and scoring) and `baseline_seconds` (the baseline's, when it was not cached).
+
+        evaluate({"k_dtype": "fp8", "v_dtype": "fp8"}, "quick")["accuracy_retention"]
+    """
+    started = time.perf_counter()
+    suite = load_suite(suite)
+    policy = as_policy(policy)
+    root = cache or eval_cache_dir()
+    model_folder = resolve_model(suite.model)
+    folder = task_folder(suite, Tokenizer.from_folder(model_folder), root)
+    baseline, computed = baseline_run(suite, folder, model_folder, root)
+    run = run_suite(policy, suite, folder, reference=baseline.rows)
+    baseline_seconds = baseline.seconds if computed else 0.0
+    result = report(suite, policy, folder, baseline, run)
+    result["seconds"] = time.perf_counter() - started - baseline_seconds
+    result["baseline_seconds"] = baseline_seconds
+    logger.info(
+        "%s suite: retention %.3f, KL %.4f in %.1f s",
+        suite.name,
+        result["accuracy_retention"] or 0.0,
+        result["kl"] or 0.0,
+        result["seconds"],
+    )
+    return result
+
+
+def _task_keys(folder: TaskFolder, task: str, recorded: Iterable[Key]) -> list[Key]:
+    """Recorded request keys of one task: their first element is one of its prompts (QA) or
+    documents (perplexity)."""
+    field = "context" if TASKS[task].kind == QA else "text"
+    prompts = {row[field] for row in folder.rows[task]}
+    return [key for key in recorded if key[0] in prompts]
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def _mean_stderr(stderrs: Iterable[float | None]) -> float | None:
+    """Standard error of a mean of independent estimates with these standard errors."""
+    values = list(stderrs)
+    if not values or any(v is None for v in values):
+        return None
+    return math.sqrt(sum(v * v for v in values)) / len(values)
+
+
+def report(
+    suite: EvalSuite, policy: KVPolicy, folder: TaskFolder, baseline: SuiteRun, run: SuiteRun
+) -> dict[str, Any]:
+    """The result dict of one policy's run against the baseline's."""
+    tasks: dict[str, dict[str, Any]] = {}
+    for name, score in run.tasks.items():
+        base = baseline.tasks[name]
+        task = TASKS[name]
+        keys = _task_keys(folder, name, run.rows)
+        tasks[name] = {
+            "metric": score.metric,
+            "higher_is_better": score.higher_is_better,
+            "score": score.score,
+            "stderr": score.stderr,
+            "baseline_score": base.score,
+            "baseline_stderr": base.stderr,
+            "retention": retention(PRIMARY[task.kind], score.score, base.score),
+            "retention_stderr": retention_stderr(
+                PRIMARY[task.kind], score.score, score.stderr, base.score
+            ),
+            "samples": score.samples,
+            "chance": task.chance,
+            **task_fidelity(baseline.rows, run.rows, keys, answers=task.kind == QA),
+        }
+    return {
+        "suite": suite.name,
+        "model": suite.model,
+        "seed": suite.seed,
+        "context_tokens": suite.context_tokens,
+        "policy": policy.to_dict(),
+        "tasks": tasks,
+        "accuracy_retention": _mean(t["retention"] for t in tasks.values()),
+        "accuracy_retention_stderr": _mean_stderr(
+            t["retention_stderr"] for t in tasks.values() if t["retention"] is not None
+        ),
+        **{key: _mean(t[key] for t in tasks.values()) for key in FIDELITY_KEYS},
+    }

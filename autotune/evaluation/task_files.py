@@ -1,0 +1,137 @@
+"""Write a suite's generated tasks as lm-eval YAML tasks over local JSONL files.
+
+One folder per suite data fingerprint (model, seed, lengths, sizes) under the kvtune cache:
+<task>.jsonl, <task>.yaml (`dataset_path: json`) and manifest.json. Generation is seeded, so a
+folder is written once and reused by every trial; lm-eval finds the tasks through
+`TaskManager(include_path=folder)`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.evaluation.suite import EvalSuite
+from autotune.evaluation.tasks import PERPLEXITY, QA, TASKS, GenContext
+from runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+TASK_PREFIX = "kvtune_"
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1  # bump when the generators change what they write
+
+QA_METRICS = [
+    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+    {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+]
+PERPLEXITY_METRICS = [
+    {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+    {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+    {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+]
+
+
+@dataclass(frozen=True)
+class TaskFolder:
+    """A written suite: where it is, its lm-eval task names and rows, its longest request.
+
+    max_tokens: tokens of the longest request (prompt and answer, or document and its
+    prefix token); the runtime's max_model_len.
+    """
+
+    path: Path
+    rows: dict[str, list[dict[str, Any]]]
+    max_tokens: int
+
+    def lm_eval_name(self, task: str) -> str:
+        return TASK_PREFIX + task
+
+
+def task_yaml(name: str, kind: str, data_file: Path) -> dict[str, Any]:
+    """The lm-eval task config of one generated task."""
+    config: dict[str, Any] = {
+        "task": TASK_PREFIX + name,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}},
+        "test_split": "test",
+    }
+    if kind == QA:
+        # Bare column names: lm-eval returns the field as it is, no Jinja rendering.
+        config |= {
+            "output_type": "loglikelihood",
+            "doc_to_text": "context",
+            "doc_to_target": "answer",
+            "target_delimiter": "",
+            "metric_list": QA_METRICS,
+        }
+    elif kind == PERPLEXITY:
+        config |= {
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "text",
+            "metric_list": PERPLEXITY_METRICS,
+        }
+    else:
+        raise ValueError(kind)
+    return config | {"metadata": {"version": FORMAT_VERSION}}
+
+
+def request_tokens(row: dict[str, Any], tokenizer: Tokenizer) -> int:
+    if "text" in row:
+        return len(tokenizer.encode(row["text"])) + 1  # the rolling window's prefix token
+    return len(tokenizer.encode(row["context"] + row["answer"]))
+
+
+def generate_rows(suite: EvalSuite, tokenizer: Tokenizer) -> dict[str, list[dict[str, Any]]]:
+    """Every task's rows; each task draws from its own rng, so sizes of one leave the rest."""
+    rows = {}
+    for name, size in suite.tasks.items():
+        context = GenContext(random.Random(f"{suite.seed}:{name}"), tokenizer, suite.context_tokens)
+        rows[name] = TASKS[name].rows(context, size)
+    return rows
+
+
+def write_folder(path: Path, suite: EvalSuite, tokenizer: Tokenizer) -> None:
+    """Generate and write the suite into path atomically (a temporary folder renamed)."""
+    rows = generate_rows(suite, tokenizer)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+    try:
+        for name, task_rows in rows.items():
+            data_file = path / f"{name}.jsonl"
+            lines = "".join(json.dumps(row) + "\n" for row in task_rows)
+            (staging / data_file.name).write_text(lines)
+            config = task_yaml(name, TASKS[name].kind, data_file)
+            (staging / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        longest = max(request_tokens(row, tokenizer) for r in rows.values() for row in r)
+        manifest = {"suite": suite.to_dict(), "tasks": list(rows), "max_tokens": longest}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        os.replace(staging, path)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (path / MANIFEST).is_file():  # not another process finishing first
+            raise
+
+
+def task_folder(suite: EvalSuite, tokenizer: Tokenizer, root: Path) -> TaskFolder:
+    """The suite's task folder under root, written on first use."""
+    path = root / "tasks" / f"{suite.data_fingerprint()}-v{FORMAT_VERSION}"
+    if not (path / MANIFEST).is_file():
+        logger.info("writing the %s suite's tasks to %s", suite.name, path)
+        write_folder(path, suite, tokenizer)
+    manifest = json.loads((path / MANIFEST).read_text())
+    rows = {
+        name: [json.loads(line) for line in (path / f"{name}.jsonl").read_text().splitlines()]
+        for name in manifest["tasks"]
+    }
+    return TaskFolder(path, rows, manifest["max_tokens"])

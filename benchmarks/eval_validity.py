@@ -1,0 +1,138 @@
+"""Does the cheap suite rank policies as a larger held-out one does?
+
+For policies across the space (formats, group sizes, scales, mixed K/V, recent window, CSA),
+each policy's accuracy retention on the default `quick` suite is compared with its retention
+on a held-out configuration (default: the `full` preset, another seed, twice the context and
+about seven times the samples). Reported: both retentions with their bootstrap standard errors,
+the KL divergence on each, and the Spearman rank correlation between the suites (target >= 0.9).
+
+    .venv/bin/python -m benchmarks.eval_validity [--cheap quick] [--heldout full]
+        [--policies "fp16,fp8,..."] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from autotune.evaluation import evaluate, load_suite
+from runtime.policy import KVPolicy
+
+POLICIES: dict[str, KVPolicy] = {
+    "fp16": KVPolicy("fp16", "fp16"),
+    "bf16": KVPolicy("bf16", "bf16"),
+    "fp8 g32": KVPolicy("fp8", "fp8", group_size=32),
+    "fp8 tensor": KVPolicy("fp8", "fp8", group_size="tensor"),
+    "fp8 + csa4": KVPolicy("fp8", "fp8", group_size="tensor", csa_ratio=4, csa_window=256),
+    "K fp8 / V fp4 g16": KVPolicy("fp8", "fp4", group_size=16, scale_dtype="e4m3"),
+    "fp4 g16 e4m3": KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3"),
+    "fp4 g16 + recent 256": KVPolicy(
+        "fp4", "fp4", group_size=16, scale_dtype="e4m3", recent_unquantized=256
+    ),
+    "fp4 g32": KVPolicy("fp4", "fp4", group_size=32),
+    "K fp4 g16 / V fp8": KVPolicy("fp4", "fp8", group_size=16, scale_dtype="e4m3"),
+    "fp4 g64": KVPolicy("fp4", "fp4", group_size=64),
+    "fp16 + csa8 w128": KVPolicy("fp16", "fp16", csa_ratio=8, csa_window=128, csa_sinks=16),
+    "fp4 g16 + csa4": KVPolicy(
+        "fp4", "fp4", group_size=16, scale_dtype="e4m3", csa_ratio=4, csa_window=256
+    ),
+    "fp4 tensor": KVPolicy("fp4", "fp4", group_size="tensor"),
+}
+
+
+def ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks from 1, ties sharing their average rank."""
+    order = values.argsort(kind="stable")
+    result = np.empty(len(values))
+    result[order] = np.arange(1, len(values) + 1)
+    for value in np.unique(values):
+        tied = values == value
+        result[tied] = result[tied].mean()
+    return result
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    return float(np.corrcoef(ranks(np.asarray(a)), ranks(np.asarray(b)))[0, 1])
+
+
+def fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cheap", default="quick", help="the suite a trial pays for")
+    parser.add_argument("--heldout", default="full", help="preset name or YAML path")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args()
+    names = [name.strip() for name in args.policies.split(",")]
+    cheap, heldout = load_suite(args.cheap), load_suite(args.heldout)
+    console = Console()
+    rows = []
+    for name in names:
+        started = time.perf_counter()
+        a = evaluate(POLICIES[name], cheap)
+        b = evaluate(POLICIES[name], heldout)
+        rows.append((name, a, b))
+        console.log(
+            f"{name}: {cheap.name} {fmt(a['accuracy_retention'])}, "
+            f"{heldout.name} {fmt(b['accuracy_retention'])} ({time.perf_counter() - started:.0f} s)"
+        )
+    rho = spearman(
+        [a["accuracy_retention"] for _, a, _ in rows], [b["accuracy_retention"] for _, _, b in rows]
+    )
+    rho_kl = spearman([-a["kl"] for _, a, _ in rows], [b["accuracy_retention"] for _, _, b in rows])
+    header = [
+        "policy",
+        f"{cheap.name} retention",
+        "± stderr",
+        f"{heldout.name} retention",
+        "± stderr",
+        f"{cheap.name} KL",
+        f"{heldout.name} KL",
+        f"{cheap.name} s",
+    ]
+    body = [
+        [
+            name,
+            fmt(a["accuracy_retention"]),
+            fmt(a["accuracy_retention_stderr"]),
+            fmt(b["accuracy_retention"]),
+            fmt(b["accuracy_retention_stderr"]),
+            fmt(a["kl"], 4),
+            fmt(b["kl"], 4),
+            f"{a['seconds']:.0f}",
+        ]
+        for name, a, b in rows
+    ]
+    summary = (
+        f"Spearman({cheap.name} retention, {heldout.name} retention) = {rho:.3f} over "
+        f"{len(rows)} policies; Spearman(-{cheap.name} KL, {heldout.name} retention) = "
+        f"{rho_kl:.3f}. torch threads {torch.get_num_threads()}, load average "
+        f"{os.getloadavg()[0]:.1f}."
+    )
+    if args.markdown:
+        print("| " + " | ".join(header) + " |")
+        print("|" + "---|" * len(header))
+        for line in body:
+            print("| " + " | ".join(line) + " |")
+        print(f"\n{summary}")
+        return
+    table = Table(title=f"Validity of the {cheap.name} suite against {heldout.name}")
+    for column in header:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for line in body:
+        table.add_row(*line)
+    console.print(table)
+    console.print(summary)
+
+
+if __name__ == "__main__":
+    main()

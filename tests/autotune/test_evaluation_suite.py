@@ -1,0 +1,114 @@
+"""The accuracy suite's settings: presets, validation, fingerprints; scoring and prefill plans."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from autotune.evaluation.prefill_plan import share_prefixes, token_batches
+from autotune.evaluation.scoring import (
+    PRIMARY,
+    bootstrap_stderr,
+    retention,
+    retention_stderr,
+    score,
+)
+from autotune.evaluation.suite import TASK_NAMES, EvalSuite, TaskSize, load_suite
+from autotune.evaluation.tasks import PERPLEXITY, QA
+from runtime.errors import ConfigError
+
+
+@pytest.mark.parametrize("preset", ["quick", "full"])
+def test_presets_load_and_cover_every_task(preset):
+    suite = load_suite(preset)
+    assert suite.name == preset
+    assert set(suite.tasks) == set(TASK_NAMES)
+    assert EvalSuite.from_dict(suite.to_dict()) == suite
+
+
+def test_full_preset_is_larger_than_quick():
+    quick, full = load_suite("quick"), load_suite("full")
+    assert full.context_tokens > quick.context_tokens
+    assert full.seed != quick.seed  # held-out documents, not the quick ones again
+    for name in TASK_NAMES:
+        assert full.tasks[name].docs >= quick.tasks[name].docs
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"context_tokens": 100}, "eval.context_tokens"),
+        ({"context_tokens": 100_000}, "eval.context_tokens"),
+        ({"seed": -1}, "eval.seed"),
+        ({"tasks": {}}, "eval.tasks"),
+        ({"tasks": {"lambada": {"docs": 1}}}, "eval.tasks.lambada"),
+        ({"tasks": {"passkey": {"docs": 0}}}, "eval.tasks.passkey.docs"),
+        ({"tasks": {"passkey": {"docs": 1, "depth": 2}}}, "eval.tasks.passkey"),
+        ({"batch_tokens": 10}, "eval.batch_tokens"),
+        ({"colour": "red"}, "eval.colour"),
+    ],
+)
+def test_bad_settings_name_the_field(changes, field):
+    with pytest.raises(ConfigError) as error:
+        EvalSuite.from_dict({**load_suite("quick").to_dict(), **changes})
+    assert error.value.field == field
+
+
+def test_unknown_preset_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="quick"):
+        load_suite("nonexistent")
+
+
+def test_fingerprints_follow_what_decides_the_results():
+    suite = load_suite("quick")
+    renamed = EvalSuite.from_dict({**suite.to_dict(), "name": "other"})
+    reseeded = EvalSuite.from_dict({**suite.to_dict(), "seed": 7})
+    on_gpu = EvalSuite.from_dict({**suite.to_dict(), "device": "cuda", "backend": "triton"})
+    assert renamed.run_fingerprint() == suite.run_fingerprint()
+    assert reseeded.data_fingerprint() != suite.data_fingerprint()
+    # The runtime changes the scores, not the generated task files.
+    assert on_gpu.data_fingerprint() == suite.data_fingerprint()
+    assert on_gpu.run_fingerprint() != suite.run_fingerprint()
+
+
+def test_task_sizes_accept_mappings():
+    suite = EvalSuite(tasks={"passkey": {"docs": 3}})
+    assert suite.tasks == {"passkey": TaskSize(docs=3, questions=1)}
+
+
+def test_bootstrap_stderr_of_a_mean_is_near_the_analytic_one():
+    values = np.array([[1.0], [0.0]] * 50)
+    stderr = bootstrap_stderr(PRIMARY[QA], values, iters=4000)
+    assert stderr == pytest.approx(0.5 / math.sqrt(100), rel=0.1)
+    assert bootstrap_stderr(PRIMARY[QA], np.ones((10, 1))) == 0.0
+    assert bootstrap_stderr(PRIMARY[QA], np.ones((1, 1))) is None
+
+
+def test_word_perplexity_weights_documents_by_words():
+    metric = PRIMARY[PERPLEXITY]
+    values = np.array([[-10.0, 10.0], [-30.0, 10.0]])  # (log-likelihood, words)
+    assert score(metric, values) == pytest.approx(math.exp(40 / 20))
+
+
+def test_retention_goes_the_right_way_for_each_metric():
+    assert retention(PRIMARY[QA], 0.5, 1.0) == 0.5
+    assert retention(PRIMARY[QA], 0.5, 0.0) is None
+    assert retention(PRIMARY[PERPLEXITY], 40.0, 20.0) == 0.5  # perplexity doubled
+    assert retention_stderr(PRIMARY[QA], 0.5, 0.1, 0.8) == pytest.approx(0.125)
+    # d(20 / s)/ds = -20 / s^2: a stderr of 4 on a perplexity of 40 is 0.05 of retention.
+    assert retention_stderr(PRIMARY[PERPLEXITY], 40.0, 4.0, 20.0) == pytest.approx(0.05)
+    assert retention_stderr(PRIMARY[QA], 0.5, None, 0.8) is None
+
+
+def test_prefixes_share_the_longest_pass():
+    inputs = [[1, 2], [1, 2, 3, 4], [1, 2, 3], [2, 3], [1, 2, 3, 4]]
+    serving = share_prefixes(inputs)
+    assert serving == [1, 1, 1, 3, 1]
+    for index, host in enumerate(serving):
+        assert inputs[host][: len(inputs[index])] == inputs[index]
+
+
+def test_token_batches_bound_the_tokens_of_a_call():
+    assert token_batches([3, 3, 3, 10, 1], 6) == [[0, 1], [2], [3], [4]]
