@@ -16,9 +16,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
+from autotune.evaluate_command import evaluate_task
+from autotune.export_command import export_task, quote_pick
 from autotune.plan import build_plan
 from autotune.plan_report import plan_json, render_plan
 from autotune.settings import build_device, build_model_arch, build_policy, build_serve
+from autotune.tune_command import tune_task
+from autotune.worker_command import worker_task
 from runtime.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -26,7 +30,11 @@ OUTPUT_FORMATS = ("table", "json")
 USAGE = """usage: kvtune <command> [key=value ...] [-m]
 
 commands:
-  plan   KV-cache capacity of a model on a device under a policy
+  plan     KV-cache capacity of a model on a device under a policy
+  tune     search KV policies: an Optuna study tracked in MLflow (-m workload=chat,longdoc sweeps)
+  worker   join a running study from another process or machine (study.name, study.storage)
+  export   deployable configs of one trial: pick=knee|max_accuracy|min_memory|trial=<n>
+  evaluate accuracy of a policy against the uncompressed baseline: eval=quick|full
 
 Overrides are Hydra's: for example
   kvtune plan model=llama-3.1-8b device=h100-80gb policy.k_dtype=fp8 serve.max_model_len=32768
@@ -63,7 +71,13 @@ def plan_task(cfg: DictConfig) -> None:
         render_plan(plan, Console())
 
 
-COMMANDS: dict[str, Callable[[DictConfig], None]] = {"plan": plan_task}
+COMMANDS: dict[str, Callable[[DictConfig], None]] = {
+    "plan": plan_task,
+    "tune": tune_task,
+    "worker": worker_task,
+    "export": export_task,
+    "evaluate": evaluate_task,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if command == "export":
+        overrides = quote_pick(overrides)
     sys.argv = [f"kvtune-{command}", *overrides]
     hydra_command(command, COMMANDS[command])()
     return 0

@@ -1,0 +1,330 @@
+"""Deployable files for one trial: the kvtune policy, vLLM and SGLang configs, and NOTES.md.
+
+Engines express less than kvtune's policy. vLLM (`vllm serve --config vllm.yaml`) has one KV
+dtype for every layer (`kv-cache-dtype`, FP8 with per-tensor scales) plus
+`kv-cache-dtype-skip-layers`, the layers kept in the model dtype; K and V share a dtype.
+SGLang has one `--kv-cache-dtype` for all layers (fp8_e4m3, or fp4_e2m1 = MXFP4 with
+power-of-two scales per 32 elements). Neither has CSA compression, kvtune's group sizes and
+scale formats, or an unquantized recent window. The export maps each layer to the nearest
+setting that keeps at least the policy's precision (never less accurate, possibly larger),
+and NOTES.md puts numbers on what that costs: KV bytes and capacity of each engine's nearest
+config next to the policy's, from the planner's byte arithmetic for the chosen device.
+Option names were checked against vLLM's EngineArgs/CacheConfig and SGLang's server_args.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.objectives import capacity_metrics
+from autotune.plan import CapacityRow, build_plan, capacity_row, kv_budget_bytes
+from autotune.recipe import TuneSetup
+from autotune.results import TrialRecord, metric_table
+from autotune.settings import DeviceSpec, ServeSettings
+from runtime.arch import ModelArch
+from runtime.policy import PER_TENSOR, KVPolicy
+
+EXACT = ("auto", "fp16", "bf16")
+VLLM_CUDA_MAX_BLOCK = 32
+# Concurrency limit written into engine configs: beyond this a device's compute, not its KV
+# memory, bounds throughput (and the engines' own defaults are of this order).
+MAX_ENGINE_SEQS = 1024
+MXFP4_GROUP = 32
+MIB = 1 << 20
+
+
+def layer_levels(policy: KVPolicy, num_layers: int) -> list[str]:
+    """Per layer, the least precise format an engine may use for both K and V: auto when
+    either stream is exact, fp8 when either is fp8, fp4 when both are fp4."""
+    levels = []
+    for pair in policy.layer_pairs(num_layers):
+        if any(d in EXACT for d in pair):
+            levels.append("auto")
+        elif "fp8" in pair:
+            levels.append("fp8")
+        else:
+            levels.append("fp4")
+    return levels
+
+
+def _engine_policy(
+    policy: KVPolicy, pairs: Sequence[str], group: int | str, scale: str
+) -> KVPolicy:
+    """A kvtune policy that stores exactly what an engine would (for the byte arithmetic)."""
+    return policy.replace(
+        k_dtype="fp16",
+        v_dtype="fp16",
+        layer_dtypes=tuple(pairs),
+        group_size=group,
+        scale_dtype=scale,
+        recent_unquantized=0,
+        csa_ratio=1,
+    )
+
+
+@dataclass(frozen=True)
+class EngineMapping:
+    """What an engine is told, and the kvtune policy that stores the same cache."""
+
+    kv_cache_dtype: str
+    skip_layers: tuple[int, ...]
+    equivalent: KVPolicy
+
+
+def vllm_mapping(policy: KVPolicy, num_layers: int) -> EngineMapping:
+    """FP8 (E4M3, per-tensor scales) where the policy quantizes, skipped layers elsewhere."""
+    levels = layer_levels(policy, num_layers)
+    if all(level == "auto" for level in levels):
+        pairs = ["auto/auto"] * num_layers
+        return EngineMapping("auto", (), _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
+    skip = tuple(i for i, level in enumerate(levels) if level == "auto")
+    pairs = ["auto/auto" if level == "auto" else "fp8/fp8" for level in levels]
+    return EngineMapping("fp8_e4m3", skip, _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
+
+
+def sglang_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
+    """One dtype for all layers: the most precise any layer needs."""
+    levels = set(layer_levels(policy, arch.num_layers))
+    layers = arch.num_layers
+    if "auto" in levels:
+        return EngineMapping("auto", (), _engine_policy(policy, ["auto/auto"] * layers, 32, "fp16"))
+    if "fp8" in levels:
+        pairs = ["fp8/fp8"] * layers
+        return EngineMapping("fp8_e4m3", (), _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
+    group = MXFP4_GROUP if arch.cached_vector_size % MXFP4_GROUP == 0 else PER_TENSOR
+    pairs = ["fp4/fp4"] * layers
+    return EngineMapping("fp4_e2m1", (), _engine_policy(policy, pairs, group, "e4m3"))
+
+
+def _capacity(
+    name: str, arch: ModelArch, policy: KVPolicy, device: DeviceSpec, serve: ServeSettings
+) -> CapacityRow:
+    """Capacity at the workload's typical context (expected_context_len)."""
+    at_context = ServeSettings(
+        max_model_len=serve.expected_context_len or serve.max_model_len,
+        gpu_memory_utilization=serve.gpu_memory_utilization,
+        activation_reserve_gib=serve.activation_reserve_gib,
+    )
+    return capacity_row(
+        name, arch, policy, device, at_context, kv_budget_bytes(arch, device, serve)
+    )
+
+
+def vllm_config(
+    policy: KVPolicy, mapping: EngineMapping, serve: ServeSettings, max_num_seqs: int
+) -> dict[str, Any]:
+    """Keys of `vllm serve --config` (flat YAML of long option names; lists give one value
+    each, true flags are passed, false ones dropped by vLLM's loader)."""
+    config: dict[str, Any] = {"kv-cache-dtype": mapping.kv_cache_dtype}
+    if mapping.skip_layers:
+        config["kv-cache-dtype-skip-layers"] = [str(i) for i in mapping.skip_layers]
+    config.update(
+        {
+            "block-size": policy.block_size,
+            "enable-chunked-prefill": True,
+            # vLLM requires max_num_batched_tokens >= max_num_seqs.
+            "max-num-batched-tokens": max(policy.chunk_size, max_num_seqs),
+            "max-num-seqs": max_num_seqs,
+            "max-model-len": serve.max_model_len,
+            "gpu-memory-utilization": serve.gpu_memory_utilization,
+        }
+    )
+    return config
+
+
+def sglang_args(
+    policy: KVPolicy, mapping: EngineMapping, serve: ServeSettings, max_running: int
+) -> list[str]:
+    """`python -m sglang.launch_server` options, one per line."""
+    return [
+        f"--kv-cache-dtype {mapping.kv_cache_dtype}",
+        f"--page-size {policy.block_size}",
+        f"--chunked-prefill-size {policy.chunk_size}",
+        f"--max-running-requests {max_running}",
+        f"--mem-fraction-static {serve.gpu_memory_utilization}",
+        f"--context-length {serve.max_model_len}",
+    ]
+
+
+def _policy_gaps(policy: KVPolicy, arch: ModelArch) -> list[str]:
+    """What no engine config here expresses, for this policy."""
+    gaps = []
+    pairs = policy.layer_pairs(arch.num_layers)
+    if any(k != v for k, v in pairs):
+        gaps.append("different K and V dtypes in a layer (engines store K and V alike)")
+    if len(set(pairs)) > 1:
+        gaps.append("per-layer dtype mixtures beyond vLLM's skip list (SGLang: none at all)")
+    if any("fp4" in pair for pair in pairs):
+        gaps.append(
+            f"FP4 with group_size={policy.group_size} and {policy.scale_dtype} scales "
+            "(vLLM exports FP8 instead; SGLang's fp4_e2m1 is MXFP4: power-of-two scales per 32)"
+        )
+    if any("fp8" in pair for pair in pairs) and policy.group_size != PER_TENSOR:
+        gaps.append(f"FP8 group scales (group_size={policy.group_size}); engines use per-tensor")
+    if policy.recent_unquantized:
+        gaps.append(f"the {policy.recent_unquantized} most recent tokens kept in fp16")
+    if policy.compressed:
+        gaps.append(
+            f"CSA compression (ratio {policy.csa_ratio}, {policy.csa_sinks} sinks, window "
+            f"{policy.csa_window}): no engine compresses the cache"
+        )
+    return gaps
+
+
+def _number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
+def _row(label: str, row: CapacityRow) -> str:
+    return (
+        f"| {label} | {row.kv_bytes_per_token:,} | {row.kv_bytes_per_sequence / MIB:,.2f} | "
+        f"{row.max_num_seqs:,} | {row.predicted_decode_ms:.3f} |"
+    )
+
+
+def notes_markdown(
+    record: TrialRecord,
+    setup: TuneSetup,
+    device: DeviceSpec,
+    serve: ServeSettings,
+    engines: dict[str, EngineMapping],
+    study_name: str,
+    pick: str,
+) -> str:
+    """NOTES.md: the picked trial's numbers, the gaps per engine, the capacity tables."""
+    policy = record.policy
+    assert policy is not None
+    arch = setup.arch
+    workload = setup.workload
+    metrics = {
+        **metric_table(record),
+        **capacity_metrics(arch, policy, device, serve, workload),
+    }
+    lines = [
+        f"# kvtune export: study `{study_name}`, pick `{pick}` (trial {record.number})",
+        "",
+        f"Model `{setup.model}` ({arch.num_layers} layers), workload `{workload.name}` "
+        f"(context {workload.context_len} tokens, batch {workload.batch}, max_model_len "
+        f"{workload.max_model_len}), target device `{device.name}`.",
+        "",
+        "## Measured and predicted (this trial)",
+        "",
+        f"Latencies were measured on the kvtune runtime ({setup.runtime.backend} backend, "
+        f"{setup.runtime.device}, {setup.runtime.dtype}); accuracy on the `{setup.suite['name']}` "
+        "suite; capacity and decode time are the planner's arithmetic for the target device "
+        "(decode time is a roofline prediction, not a measurement).",
+        "",
+        "| metric | value |",
+        "| --- | --- |",
+        *[f"| {name} | {_number(value)} |" for name, value in metrics.items()],
+        "",
+        "## What the engines cannot express",
+        "",
+    ]
+    gaps = _policy_gaps(policy, arch)
+    lines += [f"- {gap}" for gap in gaps] or ["- nothing: the engines store this policy as is"]
+    lines += [
+        "",
+        "The exported engine configs keep at least the policy's precision in every layer "
+        "(accuracy is not lower than measured here, up to the engines' own scale handling), "
+        "at the memory cost below. To measure an engine's nearest policy with kvtune, "
+        "evaluate its kvtune form:",
+        "",
+    ]
+    for name, mapping in engines.items():
+        skip = (
+            f", kv-cache-dtype-skip-layers {list(mapping.skip_layers)}"
+            if mapping.skip_layers
+            else ""
+        )
+        lines.append(f"- {name}: kv-cache-dtype {mapping.kv_cache_dtype}{skip}")
+        lines.append(
+            f"  `{yaml.safe_dump(mapping.equivalent.to_dict(), default_flow_style=True).strip()}`"
+        )
+    lines += [
+        "",
+        f"## Capacity on {device.name} at the workload's context ({workload.context_len} tokens)",
+        "",
+        "| config | KV bytes/token | MiB/sequence | max_num_seqs | decode step, predicted (ms) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        _row("kvtune policy", _capacity("kvtune", arch, policy, device, serve)),
+    ]
+    for name, mapping in engines.items():
+        lines.append(
+            _row(f"{name} nearest", _capacity(name, arch, mapping.equivalent, device, serve))
+        )
+    plan = build_plan(arch, policy, device, serve)
+    lines += [
+        "",
+        f"## Planner: capacity at max_model_len ({serve.max_model_len} tokens)",
+        "",
+        f"KV budget {plan.kv_budget_bytes / MIB:,.0f} MiB ({device.memory_gib} GiB x "
+        f"{serve.gpu_memory_utilization} - weights - {serve.activation_reserve_gib} GiB reserve).",
+        "",
+        "| config | KV bytes/token | MiB/sequence | max_num_seqs | decode step, predicted (ms) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        _row("kvtune policy", plan.chosen),
+        *[_row(row.name, row) for row in plan.compare],
+    ]
+    if plan.warnings:
+        lines += ["", "Planner advice:", "", *[f"- {w}" for w in plan.warnings]]
+    lines += [
+        "",
+        "max-num-seqs / --max-running-requests: the sequences of the workload's context that "
+        f"fit (nearest engine config), capped at {MAX_ENGINE_SEQS}; vLLM also needs "
+        "max-num-batched-tokens >= max-num-seqs, so that is max(chunk_size, max-num-seqs).",
+    ]
+    if policy.block_size > VLLM_CUDA_MAX_BLOCK:
+        lines += [
+            "",
+            f"vLLM's CacheConfig documents block sizes up to {VLLM_CUDA_MAX_BLOCK} on CUDA; "
+            f"block-size {policy.block_size} may be refused there (use 16 or 32).",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_export(
+    folder: Path,
+    record: TrialRecord,
+    setup: TuneSetup,
+    device: DeviceSpec,
+    study_name: str,
+    pick: str,
+) -> list[Path]:
+    """Write kvtune.yaml, vllm.yaml, sglang.args and NOTES.md into folder; returns the paths."""
+    policy = record.policy
+    assert policy is not None
+    serve = setup.serve
+    arch = setup.arch
+    engines = {
+        "vLLM": vllm_mapping(policy, arch.num_layers),
+        "SGLang": sglang_mapping(policy, arch),
+    }
+    capacity = {
+        name: min(
+            MAX_ENGINE_SEQS, max(1, _capacity(name, arch, m.equivalent, device, serve).max_num_seqs)
+        )
+        for name, m in engines.items()
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    header = f"# kvtune policy: study {study_name}, pick {pick}, trial {record.number}\n"
+    files = {
+        "kvtune.yaml": header + policy.to_yaml(),
+        "vllm.yaml": yaml.safe_dump(
+            vllm_config(policy, engines["vLLM"], serve, capacity["vLLM"]), sort_keys=False
+        ),
+        "sglang.args": "\n".join(sglang_args(policy, engines["SGLang"], serve, capacity["SGLang"]))
+        + "\n",
+        "NOTES.md": notes_markdown(record, setup, device, serve, engines, study_name, pick),
+    }
+    paths = []
+    for name, text in files.items():
+        path = folder / name
+        path.write_text(text)
+        paths.append(path)
+    return paths

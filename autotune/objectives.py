@@ -1,0 +1,241 @@
+"""What one trial measures, which of it the study optimizes, and its constraints.
+
+Every metric DESIGN.md section 5 asks a tuned result to state: accuracy retained against the
+uncompressed baseline (per task and overall, from `autotune.evaluation`), KV bytes of one
+sequence at the workload's context (the shared byte arithmetic), TTFT and TPOT measured on the
+runtime at the workload's batch and context, P99 latency of a seeded trace, how many such
+sequences fit on the target device, and the roofline decode time predicted for that device.
+Measured numbers are cached (autotune/eval_cache.py); arithmetic ones are recomputed, so the
+same cache serves every target device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotune.eval_cache import JsonCache, model_fingerprint
+from autotune.latency import measure_latency
+from autotune.plan import kv_budget_bytes, max_num_seqs, predicted_decode_ms
+from autotune.sensitivity import RuntimeSettings
+from autotune.settings import DeviceSpec, ServeSettings
+from autotune.workload import Workload
+from runtime.arch import GIB, ModelArch
+from runtime.errors import ConfigError
+from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
+from runtime.llm import LLM
+from runtime.policy import KVPolicy
+
+logger = logging.getLogger(__name__)
+
+MAXIMIZE, MINIMIZE = "maximize", "minimize"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A trial metric: optimization direction and unit."""
+
+    direction: str
+    unit: str
+
+
+METRICS: dict[str, Metric] = {
+    "accuracy_retention": Metric(MAXIMIZE, "fraction of the uncompressed baseline"),
+    "kv_bytes_per_sequence": Metric(MINIMIZE, "bytes at the workload's context_len"),
+    "tpot_ms": Metric(MINIMIZE, "ms per output token, measured"),
+    "ttft_ms": Metric(MINIMIZE, "ms to first token, measured"),
+    "p99_latency_ms": Metric(MINIMIZE, "ms end to end over the trace, measured"),
+    "max_num_seqs": Metric(MAXIMIZE, "sequences of context_len on the target device"),
+    "predicted_decode_ms": Metric(MINIMIZE, "ms per decode step on the target, predicted"),
+}
+MAX_OBJECTIVES = 3
+# Fidelity to the baseline reported by the suite (absent when no task measures it).
+FIDELITY_METRICS = ("kl", "kl_prompt_tail", "top1_agreement", "answer_agreement")
+
+
+def parse_objectives(names: Sequence[str]) -> tuple[str, ...]:
+    """Validated objective names (1 to 3 of METRICS, no repeats)."""
+    if isinstance(names, str) or not 1 <= len(names) <= MAX_OBJECTIVES:
+        raise ConfigError("objectives", names, f"a list of 1 to {MAX_OBJECTIVES} metric names")
+    for name in names:
+        if name not in METRICS:
+            raise ConfigError("objectives", name, f"one of {', '.join(METRICS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError("objectives", list(names), "names without repeats")
+    return tuple(names)
+
+
+def directions(objectives: Sequence[str]) -> list[str]:
+    return [METRICS[name].direction for name in objectives]
+
+
+@dataclass(frozen=True)
+class Constraints:
+    """Feasibility limits; each gives Optuna a value that is <= 0 when met.
+
+    min_retention: accuracy_retention at least this; max_kv_gib: KV of one sequence at the
+    workload's context at most this (GiB); min_num_seqs: at least this many such sequences fit.
+    """
+
+    min_retention: float | None = None
+    max_kv_gib: float | None = None
+    min_num_seqs: int | None = None
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Constraints:
+        known = ("min_retention", "max_kv_gib", "min_num_seqs")
+        for key, value in data.items():
+            if key not in known:
+                raise ConfigError(f"constraints.{key}", value, f"one of {', '.join(known)}")
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int | float)
+            ):
+                raise ConfigError(f"constraints.{key}", value, "a number or null")
+        return cls(**data)
+
+    def values(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        limits = {}
+        if self.min_retention is not None:
+            limits["min_retention"] = self.min_retention - metrics["accuracy_retention"]
+        if self.max_kv_gib is not None:
+            limits["max_kv_gib"] = metrics["kv_bytes_per_sequence"] / GIB - self.max_kv_gib
+        if self.min_num_seqs is not None:
+            limits["min_num_seqs"] = self.min_num_seqs - metrics["max_num_seqs"]
+        return limits
+
+
+class TrialFailure(Exception):
+    """A policy that could not be measured (OOM, NaN, a combination the runtime refuses); the
+    study records the trial as FAIL with this reason and goes on."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def capacity_metrics(
+    arch: ModelArch, policy: KVPolicy, device: DeviceSpec, serve: ServeSettings, workload: Workload
+) -> dict[str, float]:
+    """Byte arithmetic and the planner's figures for the target device (nothing measured)."""
+    per_sequence = kv_bytes_per_sequence(arch, policy, workload.context_len)
+    budget = kv_budget_bytes(arch, device, serve)
+    return {
+        "kv_bytes_per_sequence": float(per_sequence),
+        "kv_bytes_per_token": float(kv_bytes_per_token(arch, policy)),
+        "max_num_seqs": float(max_num_seqs(budget, per_sequence)),
+        "predicted_decode_ms": predicted_decode_ms(arch, device, workload.batch, per_sequence),
+    }
+
+
+def evaluate_accuracy(
+    policy: KVPolicy, suite: Mapping[str, Any], model: str, runtime: RuntimeSettings
+) -> dict[str, Any]:
+    """Accuracy of the policy on the suite (autotune.evaluation's contract): keys tasks,
+    accuracy_retention, kl, top1_agreement, answer_agreement, seconds."""
+    from autotune.evaluation import evaluate
+
+    return evaluate(policy, suite)
+
+
+@dataclass(frozen=True)
+class TrialContext:
+    """Everything a measurement depends on besides the policy."""
+
+    model: str
+    folder: Path
+    arch: ModelArch
+    device: DeviceSpec
+    serve: ServeSettings
+    workload: Workload
+    suite: Mapping[str, Any]
+    runtime: RuntimeSettings
+
+
+def measured_metrics(policy: KVPolicy, context: TrialContext) -> dict[str, float]:
+    """Accuracy and latency of the policy on the runtime (the expensive, cacheable part)."""
+    accuracy = evaluate_accuracy(policy, context.suite, context.model, context.runtime)
+    workload = context.workload
+    llm = LLM(
+        context.model,
+        policy,
+        backend=context.runtime.backend,
+        device=context.runtime.device,
+        dtype=context.runtime.dtype,
+        max_num_seqs=workload.batch,
+        max_model_len=workload.max_model_len,
+    )
+    latency = measure_latency(llm, workload)
+    if accuracy.get("accuracy_retention") is None:
+        raise TrialFailure(f"the {context.suite['name']} suite reported no accuracy_retention")
+    fidelity = {k: float(accuracy[k]) for k in FIDELITY_METRICS if accuracy.get(k) is not None}
+    return {
+        "accuracy_retention": float(accuracy["accuracy_retention"]),
+        **fidelity,
+        "eval_seconds": float(accuracy["seconds"]),
+        **{f"task.{name}": value for name, value in _task_retention(accuracy).items()},
+        **{k: float(v) for k, v in vars(latency).items()},
+    }
+
+
+def _task_retention(accuracy: Mapping[str, Any]) -> dict[str, float]:
+    """Per-task retention from the evaluation's `tasks` (a number or a dict with one)."""
+    tasks = accuracy.get("tasks") or {}
+    result = {}
+    for name, value in tasks.items():
+        if isinstance(value, Mapping):
+            value = value.get("accuracy_retention", value.get("retention"))
+        if isinstance(value, int | float):
+            result[name] = float(value)
+    return result
+
+
+class TrialEvaluator:
+    """Measures policies for one study: cached measurements plus target-device arithmetic."""
+
+    def __init__(self, context: TrialContext, cache: JsonCache | None) -> None:
+        self.context = context
+        self.cache = cache
+        self.fingerprint = model_fingerprint(context.folder)
+
+    def cache_key(self, policy: KVPolicy) -> dict[str, Any]:
+        ctx = self.context
+        return {
+            "kind": "trial",
+            "model": self.fingerprint,
+            "policy": policy.to_dict(),
+            "suite": dict(ctx.suite),
+            "workload": dataclasses.asdict(ctx.workload),
+            "runtime": vars(ctx.runtime),
+        }
+
+    def __call__(self, policy: KVPolicy) -> tuple[dict[str, float], bool]:
+        """(metrics, whether they came from the cache); raises TrialFailure."""
+        ctx = self.context
+        try:
+            arithmetic = capacity_metrics(ctx.arch, policy, ctx.device, ctx.serve, ctx.workload)
+            key = self.cache_key(policy)
+            measured = self.cache.get(key) if self.cache else None
+            cached = measured is not None
+            if measured is None:
+                start = time.perf_counter()
+                measured = measured_metrics(policy, ctx)
+                measured["measure_seconds"] = time.perf_counter() - start
+        except ConfigError as error:
+            raise TrialFailure(f"invalid combination: {error}") from error
+        except (torch.OutOfMemoryError, MemoryError) as error:
+            raise TrialFailure(f"out of memory: {error}") from error
+        metrics = {**measured, **arithmetic}
+        bad = [name for name, value in metrics.items() if not math.isfinite(value)]
+        if bad:
+            raise TrialFailure(f"non-finite metrics (NaN/inf): {', '.join(bad)}")
+        if self.cache and not cached:
+            self.cache.put(key, measured)
+        return metrics, cached

@@ -1,0 +1,276 @@
+"""The policy search space: knobs with candidates from conf/search, turned into Optuna params.
+
+Every candidate is checked against the policy rules and the model before any trial runs, and
+the pairings are checked statically (every chunk_size candidate a multiple of every block_size
+candidate, every csa_ratio <= every block_size, every csa_window >= every block_size), so a
+sampler can never draw an invalid combination and the space stays static (what TPE, GP and
+grid need). K and V dtypes are searched per layer group: groups come from the sensitivity
+profile (autotune/sensitivity.py), or one group a layer with `layer_groups: all`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import optuna
+from optuna.distributions import CategoricalDistribution
+
+from runtime.arch import ModelArch
+from runtime.errors import ConfigError
+from runtime.policy import BLOCK_SIZES, KV_DTYPES, PER_TENSOR, SCALE_DTYPES, KVPolicy
+
+ALL_LAYERS = "all"
+# Precision order for warm starts: the first present is the "uncompressed" choice.
+PRECISION_ORDER = ("auto", "bf16", "fp16", "fp8", "fp4")
+QUANTIZED = ("fp8", "fp4")
+KNOB_NAMES = (
+    "group_size",
+    "scale_dtype",
+    "recent_unquantized",
+    "csa_ratio",
+    "csa_window",
+    "csa_sinks",
+    "block_size",
+    "chunk_size",
+)
+_DEFAULTS = KVPolicy()
+
+
+def _field(name: str) -> str:
+    return f"search.{name}"
+
+
+def _candidates(name: str, value: object) -> tuple[Any, ...]:
+    """A knob's candidates: a non-empty list without duplicates, or one scalar (fixed)."""
+    listed = isinstance(value, Sequence) and not isinstance(value, str)
+    values = tuple(value) if listed else (value,)
+    if not values:
+        raise ConfigError(_field(name), list(values), "a non-empty list of candidates")
+    if len(set(map(repr, values))) != len(values):
+        raise ConfigError(_field(name), list(values), "candidates without duplicates")
+    return values
+
+
+def _check_each(name: str, values: tuple[Any, ...], ok: Any, allowed: str) -> None:
+    for value in values:
+        if not ok(value):
+            raise ConfigError(_field(name), value, allowed)
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """Validated knobs of conf/search (cheap: no profiling, no model weights).
+
+    knobs: candidates of every scalar policy field, in KNOB_NAMES order.
+    k_dtypes, v_dtypes: candidates of each layer group's K and V dtype.
+    layer_groups: number of sensitivity groups, or "all" (one group a layer).
+    """
+
+    knobs: dict[str, tuple[Any, ...]]
+    k_dtypes: tuple[str, ...]
+    v_dtypes: tuple[str, ...]
+    layer_groups: int | str
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], arch: ModelArch) -> SearchConfig:
+        known = {*KNOB_NAMES, "k_dtype", "v_dtype", "layer_groups"}
+        for key in data:
+            if key not in known:
+                raise ConfigError(
+                    _field(str(key)), data[key], f"unknown knob; known: {', '.join(sorted(known))}"
+                )
+        for key in known:
+            if key not in data:
+                raise ConfigError(_field(key), None, "candidates (missing from conf/search)")
+        knobs = {name: _candidates(name, data[name]) for name in KNOB_NAMES}
+        k_dtypes = _candidates("k_dtype", data["k_dtype"])
+        v_dtypes = _candidates("v_dtype", data["v_dtype"])
+        for name, dtypes in (("k_dtype", k_dtypes), ("v_dtype", v_dtypes)):
+            _check_each(name, dtypes, lambda d: d in KV_DTYPES, f"one of {', '.join(KV_DTYPES)}")
+        groups = data["layer_groups"]
+        if groups != ALL_LAYERS and not (_is_int(groups, 1) and groups <= arch.num_layers):
+            raise ConfigError(
+                _field("layer_groups"),
+                groups,
+                f'an integer in 1..{arch.num_layers} (the model\'s layers) or "{ALL_LAYERS}"',
+            )
+        config = cls(knobs, tuple(k_dtypes), tuple(v_dtypes), groups)
+        config._check_knobs(arch)
+        return config
+
+    def _check_knobs(self, arch: ModelArch) -> None:
+        k = self.knobs
+        size = arch.cached_vector_size
+        group_ok = [g for g in (8, 16, 32, 64, 128) if size % g == 0] + [PER_TENSOR]
+        _check_each(
+            "group_size",
+            k["group_size"],
+            lambda g: g == PER_TENSOR or (_is_int(g, 1) and size % g == 0),
+            f"divisors of head_dim={size}: {', '.join(map(str, group_ok))}",
+        )
+        _check_each(
+            "scale_dtype",
+            k["scale_dtype"],
+            SCALE_DTYPES.__contains__,
+            f"one of {', '.join(SCALE_DTYPES)}",
+        )
+        for name in ("recent_unquantized", "csa_sinks"):
+            _check_each(name, k[name], lambda v: _is_int(v, 0), "integers >= 0 (tokens)")
+        _check_each(
+            "block_size",
+            k["block_size"],
+            lambda b: _is_int(b, 1) and b in BLOCK_SIZES,
+            f"values from {', '.join(map(str, BLOCK_SIZES))}",
+        )
+        smallest, largest = min(k["block_size"]), max(k["block_size"])
+        _check_each(
+            "csa_ratio",
+            k["csa_ratio"],
+            lambda r: _is_int(r, 1) and r & (r - 1) == 0 and r <= smallest,
+            f"powers of two <= the smallest block_size candidate ({smallest})",
+        )
+        if max(k["csa_ratio"]) > 1:
+            _check_each(
+                "csa_window",
+                k["csa_window"],
+                lambda w: _is_int(w, largest),
+                f"integers >= the largest block_size candidate ({largest}) when csa_ratio > 1",
+            )
+        else:
+            _check_each("csa_window", k["csa_window"], lambda w: _is_int(w, 0), "integers >= 0")
+        _check_each(
+            "chunk_size",
+            k["chunk_size"],
+            lambda c: _is_int(c, 1) and c % largest == 0,
+            f"multiples of every block_size candidate (of {largest}), so pages stay aligned",
+        )
+
+    @property
+    def needs_sensitivity(self) -> bool:
+        """Whether layer grouping needs the measured profile (1 group or `all` do not)."""
+        return self.layer_groups != ALL_LAYERS and self.layer_groups > 1
+
+    def num_groups(self, num_layers: int) -> int:
+        return num_layers if self.layer_groups == ALL_LAYERS else int(self.layer_groups)
+
+    def size(self, num_groups: int) -> int:
+        """Combinations in the space (what a grid would enumerate)."""
+        scalars = math.prod(len(c) for c in self.knobs.values())
+        return scalars * (len(self.k_dtypes) * len(self.v_dtypes)) ** num_groups
+
+
+def _most_precise(dtypes: Sequence[str]) -> str:
+    return min(dtypes, key=PRECISION_ORDER.index)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """A SearchConfig with its layer groups resolved: what a trial samples.
+
+    groups: the layer indices of each group (group 0 the least fp4-sensitive when grouped by
+        sensitivity; layer order with `all`).
+    """
+
+    config: SearchConfig
+    groups: tuple[tuple[int, ...], ...]
+    num_layers: int
+
+    def distributions(self) -> dict[str, CategoricalDistribution]:
+        """Every searched param (knobs with one candidate are fixed, not params)."""
+        params: dict[str, CategoricalDistribution] = {}
+        for name, choices in self.config.knobs.items():
+            if len(choices) > 1:
+                params[name] = CategoricalDistribution(choices)
+        for index in range(len(self.groups)):
+            if len(self.config.k_dtypes) > 1:
+                params[f"k_dtype_g{index}"] = CategoricalDistribution(self.config.k_dtypes)
+            if len(self.config.v_dtypes) > 1:
+                params[f"v_dtype_g{index}"] = CategoricalDistribution(self.config.v_dtypes)
+        return params
+
+    def suggest(self, trial: optuna.Trial) -> KVPolicy:
+        """Sample one policy (every draw is valid by construction)."""
+        values = {
+            name: trial.suggest_categorical(name, dist.choices)
+            for name, dist in self.distributions().items()
+        }
+        return self.policy(values)
+
+    def policy(self, params: Mapping[str, Any]) -> KVPolicy:
+        """The canonical policy of a set of params (missing params take the fixed values)."""
+        knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
+        pairs = [""] * self.num_layers
+        for index, layers in enumerate(self.groups):
+            k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
+            v = params.get(f"v_dtype_g{index}", self.config.v_dtypes[0])
+            for layer in layers:
+                pairs[layer] = f"{k}/{v}"
+        return canonical(KVPolicy.from_dict(knobs).replace(layer_dtypes=tuple(pairs)))
+
+    def warm_starts(self) -> dict[str, dict[str, Any]]:
+        """Params of the standard starting points that this space can express.
+
+        baseline: the most precise dtype everywhere, no compression; all-fp8; fp4 in the
+        shallow half of the layers (by group mean depth) with fp8 in the deep half; K fp8 with
+        V fp4. Other knobs take the KVPolicy default where it is a candidate, else the first.
+        """
+        distributions = self.distributions()
+        fixed = {
+            name: (getattr(_DEFAULTS, name) if getattr(_DEFAULTS, name) in choices else choices[0])
+            for name, choices in self.config.knobs.items()
+        }
+        fixed["csa_ratio"] = min(self.config.knobs["csa_ratio"])
+        fixed["recent_unquantized"] = min(self.config.knobs["recent_unquantized"])
+        depth = [sum(layers) / len(layers) for layers in self.groups]
+        median_depth = sorted(depth)[len(depth) // 2] if len(depth) > 1 else math.inf
+        layouts = {
+            "baseline": [(_most_precise(self.config.k_dtypes), _most_precise(self.config.v_dtypes))]
+            * len(self.groups),
+            "all-fp8": [("fp8", "fp8")] * len(self.groups),
+            "fp4-shallow-fp8-deep": [
+                ("fp4", "fp4") if d < median_depth else ("fp8", "fp8") for d in depth
+            ],
+            "k-fp8-v-fp4": [("fp8", "fp4")] * len(self.groups),
+        }
+        starts = {}
+        for name, layout in layouts.items():
+            params = dict(fixed)
+            for index, (k, v) in enumerate(layout):
+                params[f"k_dtype_g{index}"] = k
+                params[f"v_dtype_g{index}"] = v
+            expressible = {p: value for p, value in params.items() if p in distributions}
+            if all(value in distributions[p].choices for p, value in expressible.items()):
+                starts[name] = expressible
+        return starts
+
+
+def canonical(policy: KVPolicy) -> KVPolicy:
+    """One representative of policies that store and compute the same cache.
+
+    Scale settings and the unquantized recent window mean nothing without a quantized stream,
+    the CSA window and sinks nothing without compression, and per-layer pairs that are all
+    equal are the plain K/V dtypes. Canonical policies make equal trials hit the same cache entry.
+    """
+    pairs = policy.layer_dtypes or (f"{policy.k_dtype}/{policy.v_dtype}",)
+    changes: dict[str, Any] = {}
+    if len(set(pairs)) == 1:
+        k, v = pairs[0].split("/")
+        changes.update(k_dtype=k, v_dtype=v, layer_dtypes=None)
+    else:
+        changes.update(k_dtype=_DEFAULTS.k_dtype, v_dtype=_DEFAULTS.v_dtype)
+    if not any(d in QUANTIZED for pair in pairs for d in pair.split("/")):
+        changes.update(
+            group_size=_DEFAULTS.group_size,
+            scale_dtype=_DEFAULTS.scale_dtype,
+            recent_unquantized=_DEFAULTS.recent_unquantized,
+        )
+    if not policy.compressed:
+        changes.update(csa_window=_DEFAULTS.csa_window, csa_sinks=_DEFAULTS.csa_sinks)
+    return policy.replace(**changes)

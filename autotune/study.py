@@ -1,0 +1,289 @@
+"""The Optuna study: storage, sampler, warm starts, and the loop that runs trials.
+
+One study per `study.name` in any SQLAlchemy storage (default SQLite at
+studies/<name>/optuna.db). The study stores its recipe, so `kvtune worker` processes on other
+machines join with the name and the storage alone. Heartbeats mark a killed worker's trial FAIL
+after the grace period and re-queue its params. A trial that cannot be measured (OOM, NaN, a
+combination the runtime refuses) is recorded FAIL with its reason and the study goes on.
+
+The trial budget `n_trials` counts trials that finished (COMPLETE, or FAIL with a reason) or
+are in flight; workers check it before and after asking for a trial, so several workers never
+overshoot it, and each waits for in-flight trials before it returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.exceptions import ExperimentalWarning
+from optuna.samplers import BaseSampler
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.objectives import Constraints, TrialFailure, directions
+from autotune.recipe import recipe_differences
+from autotune.search_space import SearchConfig, SearchSpace
+from runtime.errors import ConfigError
+from runtime.policy import KVPolicy
+
+logger = logging.getLogger(__name__)
+
+SAMPLERS = ("tpe", "nsga2", "gp", "random", "grid")
+MAX_GRID = 100_000
+RECIPE_ATTR = "recipe"
+FAILURE_ATTR = "failure_reason"
+SURPLUS_ATTR = "surplus"
+POLL_SECONDS = 2.0
+
+
+@dataclass(frozen=True)
+class StudySettings:
+    """The `study` block: which study, where, how many trials and how to sample them.
+
+    storage: SQLAlchemy URL; None = sqlite:///studies/<name>/optuna.db (relative to the
+        working directory). n_trials: the study's total budget (a rerun tops it up).
+    heartbeat_interval_s, grace_period_s: a running trial whose worker has not beaten for
+        grace_period_s is failed and re-queued (at most max_retries times).
+    n_startup_trials: random trials before TPE/GP model the results; population_size: NSGA-II.
+    """
+
+    name: str
+    storage: str | None = None
+    n_trials: int = 6
+    sampler: str = "tpe"
+    seed: int = 0
+    warm_start: bool = True
+    n_startup_trials: int = 4
+    population_size: int = 8
+    heartbeat_interval_s: int = 30
+    grace_period_s: int = 90
+    max_retries: int = 2
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name or "/" in self.name:
+            raise ConfigError("study.name", self.name, "a non-empty name without '/'")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError("study.sampler", self.sampler, f"one of {', '.join(SAMPLERS)}")
+        for field, minimum in (
+            ("n_trials", 0),
+            ("seed", 0),
+            ("n_startup_trials", 0),
+            ("population_size", 2),
+            ("heartbeat_interval_s", 1),
+            ("grace_period_s", 1),
+            ("max_retries", 0),
+        ):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ConfigError(f"study.{field}", value, f"an integer >= {minimum}")
+        if self.grace_period_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                "study.grace_period_s",
+                self.grace_period_s,
+                f"> heartbeat_interval_s={self.heartbeat_interval_s}",
+            )
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StudySettings:
+        known = set(cls.__dataclass_fields__)
+        for key in data:
+            if key not in known:
+                raise ConfigError(f"study.{key}", data[key], f"one of {', '.join(sorted(known))}")
+        return cls(**data)
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"sqlite:///studies/{self.name}/optuna.db"
+
+
+def open_storage(settings: StudySettings, existing: bool = False) -> RDBStorage:
+    """RDB storage with heartbeats. A SQLite file's folder is created first, unless the study
+    must already exist (workers, exports): then a missing file is refused without creating it."""
+    url = settings.storage_url
+    if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
+        path = Path(url.removeprefix("sqlite:///"))
+        if existing and not path.is_file():
+            raise ConfigError(
+                "study.storage",
+                url,
+                f"an existing study database (no file {path}; start "
+                "the study with kvtune tune, or give its study.storage)",
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # heartbeats and retries are "experimental" since 2.8
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        return RDBStorage(
+            url,
+            heartbeat_interval=settings.heartbeat_interval_s,
+            grace_period=settings.grace_period_s,
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(settings.max_retries),
+        )
+
+
+def check_sampler(settings: StudySettings, search: SearchConfig, num_layers: int) -> None:
+    """Refuse a grid too large to enumerate (before any profiling or trial)."""
+    size = search.size(search.num_groups(num_layers))
+    if settings.sampler == "grid" and size > MAX_GRID:
+        raise ConfigError(
+            "study.sampler",
+            settings.sampler,
+            f"a search space of at most {MAX_GRID:,} combinations for grid; this one has "
+            f"{size:,} (narrow conf/search or use tpe)",
+        )
+
+
+def make_sampler(settings: StudySettings, space: SearchSpace, seed: int) -> BaseSampler:
+    """The configured sampler; constraints reach it through trial.set_constraint."""
+    with warnings.catch_warnings():  # multivariate TPE, constant liar and GP are "experimental"
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        return _sampler(settings, space, seed)
+
+
+def _sampler(settings: StudySettings, space: SearchSpace, seed: int) -> BaseSampler:
+    name = settings.sampler
+    if name == "tpe":
+        return optuna.samplers.TPESampler(
+            seed=seed,
+            multivariate=True,
+            constant_liar=True,
+            n_startup_trials=settings.n_startup_trials,
+        )
+    if name == "nsga2":
+        return optuna.samplers.NSGAIISampler(seed=seed, population_size=settings.population_size)
+    if name == "gp":
+        return optuna.samplers.GPSampler(seed=seed, n_startup_trials=settings.n_startup_trials)
+    if name == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
+    check_sampler(settings, space.config, space.num_layers)
+    grid = {p: list(d.choices) for p, d in space.distributions().items()}
+    return optuna.samplers.GridSampler(grid, seed=seed)
+
+
+def create_or_resume(
+    settings: StudySettings,
+    storage: RDBStorage,
+    recipe: Mapping[str, Any],
+    objectives: Sequence[str],
+) -> optuna.Study:
+    """A new study holding the recipe, or the existing one if its recipe is the same."""
+    names = optuna.get_all_study_names(storage)
+    if settings.name in names:
+        study = optuna.load_study(study_name=settings.name, storage=storage)
+        differences = recipe_differences(study.user_attrs.get(RECIPE_ATTR, {}), recipe)
+        if differences:
+            raise ConfigError(
+                "study.name",
+                settings.name,
+                "a new name: a study of that name already exists with a different recipe "
+                f"(differs in {', '.join(differences)})",
+            )
+        logger.info("resuming study %s (%d trials so far)", settings.name, len(study.trials))
+        return study
+    study = optuna.create_study(
+        study_name=settings.name,
+        storage=storage,
+        directions=directions(objectives),
+        load_if_exists=True,
+    )
+    study.set_user_attr(RECIPE_ATTR, dict(recipe))
+    return study
+
+
+def load_recipe(settings: StudySettings, storage: RDBStorage) -> tuple[optuna.Study, dict]:
+    """An existing study and its recipe (for workers and exports)."""
+    if settings.name not in optuna.get_all_study_names(storage):
+        raise ConfigError(
+            "study.name",
+            settings.name,
+            f"an existing study in {settings.storage_url} (start it with kvtune tune)",
+        )
+    study = optuna.load_study(study_name=settings.name, storage=storage)
+    return study, dict(study.user_attrs[RECIPE_ATTR])
+
+
+def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, n_trials: int) -> None:
+    """Queue the standard starting policies (at most n_trials; never twice)."""
+    for name, params in list(space.warm_starts().items())[:n_trials]:
+        study.enqueue_trial(params, user_attrs={"warm_start": name}, skip_if_exists=True)
+
+
+def counted(trial: FrozenTrial) -> bool:
+    """Whether a trial uses the budget: finished with a result or a reason, or in flight."""
+    if trial.user_attrs.get(SURPLUS_ATTR):
+        return False
+    if trial.state == TrialState.FAIL:
+        return FAILURE_ATTR in trial.user_attrs
+    return trial.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+
+
+class TrialObjective:
+    """The function Optuna calls: sample a policy, measure it, report objectives."""
+
+    def __init__(
+        self,
+        space: SearchSpace,
+        evaluator: Callable[[KVPolicy], tuple[dict[str, float], bool]],
+        objectives: Sequence[str],
+        constraints: Constraints,
+        n_trials: int,
+    ) -> None:
+        self.space = space
+        self.evaluator = evaluator
+        self.objectives = tuple(objectives)
+        self.constraints = constraints
+        self.n_trials = n_trials
+
+    def _is_surplus(self, trial: optuna.Trial) -> bool:
+        earlier = [
+            t
+            for t in trial.study.get_trials(deepcopy=False)
+            if t.number < trial.number and counted(t)
+        ]
+        return len(earlier) >= self.n_trials
+
+    def __call__(self, trial: optuna.Trial) -> list[float]:
+        if self._is_surplus(trial):
+            trial.set_user_attr(SURPLUS_ATTR, True)
+            raise optuna.TrialPruned("another worker filled the trial budget first")
+        policy = self.space.suggest(trial)
+        trial.set_user_attr("policy", policy.to_dict())
+        start = time.perf_counter()
+        try:
+            metrics, cached = self.evaluator(policy)
+        except TrialFailure as failure:
+            trial.set_user_attr(FAILURE_ATTR, failure.reason)
+            raise
+        trial.set_user_attr("metrics", metrics)
+        trial.set_user_attr("cached", cached)
+        trial.set_user_attr("seconds", time.perf_counter() - start)
+        for name, value in self.constraints.values(metrics).items():
+            trial.set_constraint(name, value)
+        return [metrics[name] for name in self.objectives]
+
+
+def run_trials(
+    study: optuna.Study,
+    objective: TrialObjective,
+    n_trials: int,
+    callbacks: Sequence[Callable[[optuna.Study, FrozenTrial], None]] = (),
+) -> None:
+    """Run trials until the budget is used, then wait for other workers' trials in flight."""
+    while True:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            fail_stale_trials(study)
+        budget = [t for t in study.get_trials(deepcopy=False) if counted(t)]
+        waiting = any(t.state == TrialState.WAITING for t in budget)
+        if len(budget) < n_trials or waiting:
+            study.optimize(objective, n_trials=1, catch=(TrialFailure,), callbacks=callbacks)
+        elif any(t.state == TrialState.RUNNING for t in budget):
+            time.sleep(POLL_SECONDS)
+        else:
+            return

@@ -1,0 +1,157 @@
+"""`kvtune tune`: create (or resume) a study and run its trials, tracked in MLflow.
+
+Order of work: validate every setting (one ConfigError line, nothing loaded), open the
+storage and the MLflow experiment, resolve the layer groups (the sensitivity profile, cached
+per model), queue the warm starts, run trials with a progress bar, then tag the Pareto front,
+attach the study's artifacts to the MLflow parent run and print the front as a table.
+`kvtune worker` runs the same loop on an existing study (autotune/worker_command.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from rich.console import Console
+
+from autotune.eval_cache import JsonCache, default_cache_folder
+from autotune.objectives import TrialEvaluator
+from autotune.recipe import TuneSetup, build_setup, plain, recipe_from_config
+from autotune.report import ProgressCallback, render_front, study_progress
+from autotune.results import pareto_front, trial_records
+from autotune.study import (
+    StudySettings,
+    TrialObjective,
+    check_sampler,
+    create_or_resume,
+    enqueue_warm_starts,
+    make_sampler,
+    open_storage,
+    run_trials,
+)
+from autotune.tracking import StudyTracker, default_artifact_root, default_tracking_uri
+from runtime.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+N_TRIALS_ATTR = "n_trials"
+SAMPLER_ATTR = "sampler"
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where results go: MLflow tracking and the measurement caches."""
+
+    tracking_uri: str
+    artifact_root: Path
+    evaluations: JsonCache | None
+    sensitivity: JsonCache
+
+    @classmethod
+    def from_config(cls, mlflow_cfg: Mapping[str, Any], cache_cfg: Mapping[str, Any]) -> Services:
+        workdir = Path.cwd()
+        uri = mlflow_cfg.get("tracking_uri") or default_tracking_uri(workdir)
+        if not isinstance(uri, str) or uri.startswith(("file:", "/", ".")) or "://" not in uri:
+            raise ConfigError(
+                "mlflow.tracking_uri",
+                uri,
+                "a database URI such as sqlite:///path/mlflow.db (MLflow 3 refuses file stores)",
+            )
+        location = mlflow_cfg.get("artifact_location")
+        root = Path(location).resolve() if location else default_artifact_root(workdir)
+        enabled = cache_cfg.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise ConfigError("cache.enabled", enabled, "true or false")
+        folder = cache_cfg.get("dir")
+        evaluations = (
+            Path(folder) / "evaluations" if folder else default_cache_folder("evaluations")
+        )
+        sensitivity = (
+            Path(folder) / "sensitivity" if folder else default_cache_folder("sensitivity")
+        )
+        return cls(uri, root, JsonCache(evaluations) if enabled else None, JsonCache(sensitivity))
+
+
+def quiet_libraries() -> None:
+    """Optuna's per-trial log lines would bury the progress bar; the trials are reported there
+    and in MLflow instead."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+def run_study(
+    settings: StudySettings,
+    setup: TuneSetup,
+    study: optuna.Study,
+    services: Services,
+    command: str,
+    console: Console,
+) -> None:
+    """Run the study's trials from this process, then report and track the results.
+
+    Only `kvtune tune` queues the warm starts: workers starting together would race to queue
+    the same ones.
+    """
+    space = setup.search_space(services.sensitivity)
+    study.sampler = make_sampler(settings, space, settings.seed)
+    if command == "tune" and settings.warm_start and settings.sampler != "grid":
+        enqueue_warm_starts(study, space, settings.n_trials)
+    tracker = StudyTracker(
+        services.tracking_uri,
+        services.artifact_root,
+        settings.name,
+        command,
+        {
+            "model": setup.model,
+            "workload": setup.workload.name,
+            "sampler": settings.sampler,
+            "n_trials": settings.n_trials,
+            "objectives": ",".join(setup.objectives),
+            "layer_groups": ";".join(",".join(map(str, g)) for g in space.groups),
+        },
+        setup.arch.num_layers,
+    )
+    objective = TrialObjective(
+        space,
+        TrialEvaluator(setup.trial_context(), services.evaluations),
+        setup.objectives,
+        setup.constraints,
+        settings.n_trials,
+    )
+    try:
+        with study_progress(console) as progress:
+            bar = ProgressCallback(progress, study, settings.n_trials)
+            run_trials(study, objective, settings.n_trials, [tracker.log_trial, bar])
+    except BaseException:
+        tracker.fail()
+        raise
+    records = trial_records(study)
+    front = [r.number for r in pareto_front(records, setup.objectives)]
+    policies = {r.number: r.policy.to_yaml() for r in records if r.number in front and r.policy}
+    tracker.finish(
+        records, front, setup.objectives, policies, yaml.safe_dump(setup.recipe, sort_keys=False)
+    )
+    render_front(console, settings.name, records, front, setup.arch.num_layers)
+
+
+def tune_task(cfg: DictConfig) -> None:
+    """`kvtune tune`: one study per invocation (Hydra multirun: one per combination)."""
+    quiet_libraries()
+    settings = StudySettings.from_dict(plain(cfg.study))
+    recipe = recipe_from_config(cfg, HydraConfig.get().overrides.task)
+    setup = build_setup(recipe)
+    services = Services.from_config(plain(cfg.mlflow), plain(cfg.cache))
+    check_sampler(settings, setup.search, setup.arch.num_layers)
+    storage = open_storage(settings)
+    study = create_or_resume(settings, storage, recipe, setup.objectives)
+    study.set_user_attr(N_TRIALS_ATTR, settings.n_trials)
+    study.set_user_attr(SAMPLER_ATTR, settings.sampler)
+    logger.info("study %s in %s (pid %d)", settings.name, settings.storage_url, os.getpid())
+    run_study(settings, setup, study, services, "tune", Console())

@@ -1,0 +1,129 @@
+"""The search space: config validation, valid draws only, warm starts, canonical policies."""
+
+import optuna
+import pytest
+
+from autotune.search_space import SearchConfig, SearchSpace, canonical
+from autotune.sensitivity import group_layers
+from runtime.arch import ModelArch
+from runtime.errors import ConfigError
+from runtime.kv_bytes import kv_bytes_per_sequence
+from runtime.policy import KVPolicy
+
+ARCH = ModelArch(
+    name="test",
+    num_layers=6,
+    num_attention_heads=8,
+    num_kv_heads=2,
+    head_dim=64,
+    weights_bytes=1 << 30,
+    max_position_embeddings=8192,
+)
+SEARCH = {
+    "layer_groups": 3,
+    "k_dtype": ["fp16", "fp8", "fp4"],
+    "v_dtype": ["fp16", "fp8", "fp4"],
+    "group_size": [16, 32, "tensor"],
+    "scale_dtype": ["fp16", "e4m3"],
+    "recent_unquantized": [0, 64],
+    "csa_ratio": [1, 2, 4, 8],
+    "csa_window": [128, 512],
+    "csa_sinks": [4, 16],
+    "block_size": [8, 16, 32, 64, 128],
+    "chunk_size": [256, 512],
+}
+GROUPS = ((0, 1), (2, 3), (4, 5))
+
+
+def space(**changes) -> SearchSpace:
+    config = SearchConfig.from_dict({**SEARCH, **changes}, ARCH)
+    return SearchSpace(config, GROUPS, ARCH.num_layers)
+
+
+def test_every_draw_is_a_valid_policy_for_the_model():
+    search = space()
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
+    for _ in range(300):
+        trial = study.ask()
+        policy = search.suggest(trial)
+        policy.check_model(ARCH)
+        assert policy.chunk_size % policy.block_size == 0
+        assert policy.csa_ratio <= policy.block_size
+        assert kv_bytes_per_sequence(ARCH, policy, 4096) > 0
+        study.tell(trial, 0.0)
+
+
+def test_params_are_per_group_dtypes_and_multi_candidate_knobs():
+    search = space(csa_sinks=16)
+    params = search.distributions()
+    assert "csa_sinks" not in params  # one candidate: fixed, not searched
+    assert {f"k_dtype_g{i}" for i in range(3)} <= set(params)
+    assert params["block_size"].choices == (8, 16, 32, 64, 128)
+    policy = search.policy({"k_dtype_g0": "fp4", "v_dtype_g0": "fp8", "csa_ratio": 1})
+    assert policy.layer_pairs(6)[:2] == [("fp4", "fp8")] * 2
+    assert policy.csa_sinks == KVPolicy().csa_sinks  # canonical: no compression, default sinks
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"chunk_size": [256, 200]}, "search.chunk_size"),
+        ({"chunk_size": [64]}, "search.chunk_size"),  # not a multiple of block 128
+        ({"csa_ratio": [1, 16]}, "search.csa_ratio"),  # > smallest block 8
+        ({"csa_window": [64]}, "search.csa_window"),  # < largest block 128 with compression
+        ({"group_size": [16, 48]}, "search.group_size"),  # does not divide head_dim 64
+        ({"k_dtype": ["fp16", "int4"]}, "search.k_dtype"),
+        ({"layer_groups": 7}, "search.layer_groups"),
+        ({"layer_groups": "some"}, "search.layer_groups"),
+        ({"block_size": [16, 24]}, "search.block_size"),
+        ({"scale_dtype": []}, "search.scale_dtype"),
+        ({"csa_sinks": [4, 4]}, "search.csa_sinks"),
+        ({"recent_unqantized": [0]}, "search.recent_unqantized"),
+    ],
+)
+def test_bad_knobs_fail_naming_the_field(changes, field):
+    with pytest.raises(ConfigError) as error:
+        SearchConfig.from_dict({**SEARCH, **changes}, ARCH)
+    assert error.value.field == field
+
+
+def test_missing_knob_is_named():
+    data = dict(SEARCH)
+    del data["block_size"]
+    with pytest.raises(ConfigError, match="search.block_size"):
+        SearchConfig.from_dict(data, ARCH)
+
+
+def test_warm_starts_cover_the_standard_points():
+    starts = space().warm_starts()
+    assert list(starts) == ["baseline", "all-fp8", "fp4-shallow-fp8-deep", "k-fp8-v-fp4"]
+    search = space()
+    baseline = search.policy(starts["baseline"])
+    assert baseline.layer_pairs(6) == [("fp16", "fp16")] * 6 and not baseline.compressed
+    mixed = search.policy(starts["fp4-shallow-fp8-deep"]).layer_pairs(6)
+    assert mixed[:2] == [("fp4", "fp4")] * 2 and mixed[4:] == [("fp8", "fp8")] * 2
+    assert search.policy(starts["k-fp8-v-fp4"]).layer_pairs(6) == [("fp8", "fp4")] * 6
+
+
+def test_warm_starts_the_space_cannot_express_are_left_out():
+    starts = space(k_dtype=["fp16", "fp8"], v_dtype=["fp16", "fp8"]).warm_starts()
+    assert list(starts) == ["baseline", "all-fp8"]
+
+
+def test_canonical_merges_policies_that_store_the_same_cache():
+    a = KVPolicy(group_size=16, scale_dtype="e4m3", csa_window=128, csa_sinks=4)
+    b = KVPolicy(group_size="tensor", layer_dtypes=("fp16/fp16",) * 6)
+    assert canonical(a) == canonical(b) == KVPolicy()
+    quantized = KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=16)
+    assert canonical(quantized).group_size == 16  # scales matter once a stream is quantized
+
+
+def test_space_size_counts_combinations():
+    config = SearchConfig.from_dict(SEARCH, ARCH)
+    assert config.size(3) == 3 * 2 * 2 * 4 * 2 * 2 * 5 * 2 * 9**3
+
+
+def test_layers_are_grouped_by_ascending_sensitivity():
+    scores = [0.5, 0.01, 0.3, 0.02, 0.9, 0.04]
+    assert group_layers(scores, 3) == ((1, 3), (2, 5), (0, 4))
+    assert group_layers(scores, 1) == ((0, 1, 2, 3, 4, 5),)

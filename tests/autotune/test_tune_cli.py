@@ -1,0 +1,143 @@
+"""`kvtune tune` and `kvtune export` end to end on the tiny model (subprocesses, real Hydra,
+Optuna SQLite storage, MLflow sqlite store, runtime and suite)."""
+
+import optuna
+import pytest
+from mlflow import MlflowClient
+from optuna.trial import TrialState
+
+from autotune.results import pick_trial, trial_records
+from runtime.policy import KVPolicy
+from tests.autotune.conftest import run_kvtune
+
+OBJECTIVES = ("accuracy_retention", "kv_bytes_per_sequence", "tpot_ms")
+
+
+def load(storage: str, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=storage)
+
+
+@pytest.mark.slow
+def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cache):
+    db, tracking = tmp_path / "data" / "optuna.db", tmp_path / "data" / "mlflow.db"
+    db.parent.mkdir()
+    storage = f"sqlite:///{db}"
+    args = [
+        "study.name=NAME",
+        "study.n_trials=4",
+        "eval=tiny",
+        f"study.storage={storage}",
+        f"mlflow.tracking_uri=sqlite:///{tracking}",
+    ]
+    result = run_kvtune("tune", *args, *tiny_study_args, cwd=tmp_path, cache=kvtune_cache)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Pareto front of study NAME" in result.stdout
+
+    study = load(storage, "NAME")
+    trials = study.get_trials()
+    assert len(trials) == 4 and all(t.state == TrialState.COMPLETE for t in trials)
+    client = MlflowClient(f"sqlite:///{tracking}")
+    experiment = client.get_experiment_by_name("NAME")
+    runs = client.search_runs([experiment.experiment_id], "tags.`kvtune.kind` = 'trial'")
+    assert sorted(int(r.data.tags["trial_number"]) for r in runs) == [0, 1, 2, 3]
+    assert all("accuracy_retention" in r.data.metrics for r in runs)
+    assert {r.data.tags["pareto"] for r in runs} <= {"true", "false"}
+    assert any(r.data.tags["pareto"] == "true" for r in runs)
+    parent = client.search_runs([experiment.experiment_id], "tags.`kvtune.kind` = 'invocation'")
+    artifacts = {a.path for a in client.list_artifacts(parent[0].info.run_id)}
+    assert {"pareto_front.png", "pareto_front.html", "trials.csv"} <= artifacts
+
+    exported = run_kvtune(
+        "export",
+        "study.name=NAME",
+        f"study.storage={storage}",
+        "pick=knee",
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    folder = tmp_path / "studies" / "NAME" / "export" / "knee"
+    assert {p.name for p in folder.iterdir()} == {
+        "kvtune.yaml",
+        "vllm.yaml",
+        "sglang.args",
+        "NOTES.md",
+    }
+    knee = pick_trial(trial_records(study), OBJECTIVES, "knee")
+    assert KVPolicy.from_yaml((folder / "kvtune.yaml").read_text()) == knee.policy
+    assert f"(trial {knee.number})" in (folder / "NOTES.md").read_text()
+
+    again = run_kvtune(
+        "tune",
+        *args[:1],
+        "study.n_trials=5",
+        *args[2:],
+        *tiny_study_args,
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = load(storage, "NAME").get_trials()
+    assert len(resumed) == 5
+    assert [t.datetime_start for t in resumed[:4]] == [t.datetime_start for t in trials]
+
+    other = run_kvtune(
+        "tune",
+        "study.name=OTHER",
+        "study.n_trials=4",
+        "study.sampler=random",
+        f"study.storage={storage}",
+        f"mlflow.tracking_uri=sqlite:///{tracking}",
+        *tiny_study_args,
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert other.returncode == 0, other.stderr[-3000:]
+    warm = [t for t in load(storage, "OTHER").get_trials() if t.user_attrs.get("warm_start")]
+    assert len(warm) == 4 and all(t.user_attrs["cached"] for t in warm)  # free: measured before
+
+
+@pytest.mark.slow
+def test_multirun_runs_one_study_per_workload(tmp_path, tiny_study_args, kvtune_cache):
+    args = [a for a in tiny_study_args if not a.startswith("workload=")]
+    result = run_kvtune(
+        "tune",
+        "-m",
+        "workload=tiny,tiny2",
+        "study.n_trials=1",
+        *args,
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("tiny-tiny", "tiny-tiny2"):
+        study = load(f"sqlite:///{tmp_path / 'studies' / name / 'optuna.db'}", name)
+        assert len(study.get_trials()) == 1
+    assert {p.name for p in tmp_path.iterdir()} == {"studies", "mlflow.db", "mlartifacts"}
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("study.sampler=cmaes", "study.sampler"),
+        ("search.csa_ratio=[1,64]", "search.csa_ratio"),
+        ("objectives=[accuracy,tpot_ms]", "objectives"),
+        ("mlflow.tracking_uri=./mlruns", "mlflow.tracking_uri"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field(tmp_path, override, field, kvtune_cache):
+    result = run_kvtune("tune", override, cwd=tmp_path, cache=kvtune_cache, timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvtune tune: error: ") and field in lines[0]
+    assert not (tmp_path / "studies").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize(
+    "command", [("export", "study.name=absent", "pick=trial=3"), ("worker", "study.name=absent")]
+)
+def test_joining_a_missing_study_is_one_line_and_creates_nothing(tmp_path, command, kvtune_cache):
+    result = run_kvtune(*command, cwd=tmp_path, cache=kvtune_cache, timeout=120)
+    assert result.returncode == 2
+    assert "study.storage" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not any(tmp_path.iterdir())
