@@ -9,9 +9,10 @@ attach the study's artifacts to the MLflow parent run and print the front as a t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,16 @@ def quiet_libraries() -> None:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
+@contextlib.contextmanager
+def trial_output(study_name: str) -> Iterator[None]:
+    """Send what trials write to stderr (lm-eval's and the runtime's inner progress bars,
+    library warnings) to studies/<name>/trials.log, so the study's own bar stays readable."""
+    path = Path("studies") / study_name / "trials.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as log, contextlib.redirect_stderr(log):
+        yield
+
+
 def run_study(
     settings: StudySettings,
     setup: TuneSetup,
@@ -126,7 +137,7 @@ def run_study(
         settings.n_trials,
     )
     try:
-        with study_progress(console) as progress:
+        with study_progress(console) as progress, trial_output(settings.name):
             bar = ProgressCallback(progress, study, settings.n_trials)
             run_trials(study, objective, settings.n_trials, [tracker.log_trial, bar])
     except BaseException:

@@ -2,11 +2,12 @@
 
 For policies across the space (formats, group sizes, scales, mixed K/V, recent window, CSA),
 each policy's accuracy retention on the default `quick` suite is compared with its retention
-on a held-out configuration (default: the `full` preset, another seed, twice the context and
-about seven times the samples). Reported: both retentions with their bootstrap standard errors,
-the KL divergence on each, and the Spearman rank correlation between the suites (target >= 0.9).
+on a held-out configuration (default: the `heldout` preset, another seed, 1.5x the context
+and about twice the samples; `--heldout full` for the larger one, hours on CPU). Reported:
+both retentions with their bootstrap standard errors, the KL divergence on each, and the
+Spearman rank correlation between the suites (target >= 0.9).
 
-    .venv/bin/python -m benchmarks.eval_validity [--cheap quick] [--heldout full]
+    .venv/bin/python -m benchmarks.eval_validity [--cheap quick] [--heldout heldout]
         [--policies "fp16,fp8,..."] [--markdown]
 """
 
@@ -68,7 +69,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cheap", default="quick", help="the suite a trial pays for")
-    parser.add_argument("--heldout", default="full", help="preset name or YAML path")
+    parser.add_argument("--heldout", default="heldout", help="preset name or YAML path")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()

@@ -14,6 +14,7 @@ that KV head) pair, so a K/V tile is loaded once for all GQA query heads that sh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -88,6 +89,15 @@ class PagedStream:
     @property
     def head_dim(self) -> int:
         return self.k.head_dim
+
+    def select(self, seqs: torch.Tensor) -> PagedStream:
+        """The same pools seen by a subset of the sequences (indices into the batch)."""
+        return dataclasses.replace(
+            self,
+            block_table=self.block_table[seqs],
+            lengths=self.lengths[seqs],
+            start_positions=self.start_positions[seqs],
+        )
 
 
 @triton.jit

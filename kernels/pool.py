@@ -104,6 +104,15 @@ def read_vectors_ref(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
     return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
 
 
+def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
+    """fp32 vectors [S, blocks * block_size, num_heads, head_dim] of the blocks table [S, blocks]
+    lists, in order. Gathers whole blocks (a contiguous copy each), far cheaper than slots."""
+    table = table.long()
+    codes = pool.codes[table].flatten(1, 2)
+    scales = pool.scales[table].flatten(1, 2) if pool.scales is not None else None
+    return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+
+
 def write_vectors_ref(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> None:
     """Quantize vectors [len(slots), num_heads, head_dim] into pool at slots; slot < 0 skips."""
     keep = slots >= 0

@@ -20,7 +20,7 @@ from autotune.evaluation.tasks import PERPLEXITY, QA
 from runtime.errors import ConfigError
 
 
-@pytest.mark.parametrize("preset", ["quick", "full"])
+@pytest.mark.parametrize("preset", ["quick", "heldout", "full"])
 def test_presets_load_and_cover_every_task(preset):
     suite = load_suite(preset)
     assert suite.name == preset
@@ -28,12 +28,13 @@ def test_presets_load_and_cover_every_task(preset):
     assert EvalSuite.from_dict(suite.to_dict()) == suite
 
 
-def test_full_preset_is_larger_than_quick():
-    quick, full = load_suite("quick"), load_suite("full")
-    assert full.context_tokens > quick.context_tokens
-    assert full.seed != quick.seed  # held-out documents, not the quick ones again
+@pytest.mark.parametrize("larger", ["heldout", "full"])
+def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
+    quick, other = load_suite("quick"), load_suite(larger)
+    assert other.context_tokens > quick.context_tokens
+    assert other.seed != quick.seed  # held-out documents, not the quick ones again
     for name in TASK_NAMES:
-        assert full.tasks[name].docs >= quick.tasks[name].docs
+        assert other.tasks[name].docs >= quick.tasks[name].docs
 
 
 @pytest.mark.parametrize(
