@@ -74,20 +74,17 @@ def mean_kl(reference: torch.Tensor, probe: torch.Tensor) -> float:
     return float((ref.exp() * (ref - other)).sum(dim=-1).mean())
 
 
-def policy_prompt_logits(
-    model: str, policy: KVPolicy, ids: list[int], runtime: RuntimeSettings
-) -> torch.Tensor:
-    """Logits at every position of `ids` through a fresh runtime under `policy`."""
-    llm = LLM(
+def exact_runtime(model: str, runtime: RuntimeSettings, max_model_len: int) -> LLM:
+    """The model loaded once with the exact cache; probes switch policy without reloading."""
+    return LLM(
         model,
-        policy,
+        KVPolicy(k_dtype="auto", v_dtype="auto"),
         backend=runtime.backend,
         device=runtime.device,
         dtype=runtime.dtype,
         max_num_seqs=1,
-        max_model_len=len(ids),
+        max_model_len=max_model_len,
     )
-    return llm.prompt_logits(ids)
 
 
 def measure_sensitivity(
@@ -95,11 +92,12 @@ def measure_sensitivity(
 ) -> LayerSensitivity:
     """Run the profile: one exact prefill and two probes a layer."""
     ids = Tokenizer.from_folder(folder).encode(PROFILE_TEXT)
-    reference = policy_prompt_logits(model, KVPolicy(k_dtype="auto", v_dtype="auto"), ids, runtime)
+    exact = exact_runtime(model, runtime, len(ids))
+    reference = exact.prompt_logits(ids)
     costs: dict[str, list[float]] = {"k": [], "v": []}
     for layer in range(arch.num_layers):
         for stream in ("k", "v"):
-            probe = policy_prompt_logits(model, probe_policy(arch, layer, stream), ids, runtime)
+            probe = exact.with_policy(probe_policy(arch, layer, stream)).prompt_logits(ids)
             costs[stream].append(mean_kl(reference, probe))
         logger.info("sensitivity layer %d: K %.2e V %.2e", layer, costs["k"][-1], costs["v"][-1])
     return LayerSensitivity(tuple(costs["k"]), tuple(costs["v"]))

@@ -34,10 +34,10 @@ from autotune.eval_cache import JsonCache, default_cache_folder, model_fingerpri
 from autotune.search_space import SearchConfig, SearchSpace, canonical
 from autotune.sensitivity import (
     RuntimeSettings,
+    exact_runtime,
     group_layers,
     layer_sensitivity,
     mean_kl,
-    policy_prompt_logits,
 )
 from autotune.study import StudySettings, make_sampler
 from runtime.arch import ModelArch, arch_from_folder
@@ -50,7 +50,7 @@ MODEL = "smollm2-135m"
 SAMPLERS = ("random", "tpe", "nsga2", "gp")
 CHECKPOINTS = (10, 20, 30, 60, 90)
 SEARCH_FILE = Path(__file__).resolve().parent.parent / "conf" / "search" / "default.yaml"
-PASSAGE_TOKENS = 320
+PASSAGE_TOKENS = 160
 PASSAGE = (
     "The river rises in a bog on the northern slope of the mountain, at about 1,240 metres, "
     "and flows south-east for 212 kilometres before it joins the sea near the old harbour "
@@ -80,8 +80,8 @@ class FidelityOracle:
         self.fingerprint = model_fingerprint(folder)
         ids = Tokenizer.from_folder(folder).encode(PASSAGE * 3)
         self.ids = ids[:PASSAGE_TOKENS]
-        exact = KVPolicy(k_dtype="auto", v_dtype="auto")
-        self.reference = policy_prompt_logits(MODEL, exact, self.ids, runtime)
+        self.exact = exact_runtime(MODEL, runtime, len(self.ids))
+        self.reference = self.exact.prompt_logits(self.ids)
         self.measured = 0
 
     def kl(self, policy: KVPolicy) -> float:
@@ -95,7 +95,7 @@ class FidelityOracle:
         cached = self.cache.get(key)
         if cached is not None:
             return float(cached["kl"])
-        logits = policy_prompt_logits(MODEL, policy, self.ids, self.runtime)
+        logits = self.exact.with_policy(policy).prompt_logits(self.ids)
         value = mean_kl(self.reference, logits)
         self.cache.put(key, {"kl": value})
         self.measured += 1

@@ -6,6 +6,7 @@ fails in milliseconds, before weights are read.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -100,12 +101,28 @@ class LLM:
             used = torch.cuda.memory_allocated(self.device)
             budget = int(total * gpu_memory_utilization) - used - activation_reserve_bytes
             config = dataclasses.replace(config, kv_budget_bytes=budget)
+        self._ops, self._config = ops, config
+        self.engine = self._build_engine()
+
+    def _build_engine(self) -> Engine:
+        """Calibrated tensor scales, pools and scheduler for self.policy over the loaded model."""
         scales = calibrate_tensor_scales(
             self.model,
             self.tokenizer.encode(CALIBRATION_TEXT),
             layer_formats(self.arch, self.policy),
         )
-        self.engine = Engine(self.model, self.arch, self.policy, ops, config, scales, self.device)
+        return Engine(
+            self.model, self.arch, self.policy, self._ops, self._config, scales, self.device
+        )
+
+    def with_policy(self, policy: KVPolicy | Mapping[str, Any]) -> LLM:
+        """The same loaded weights under another KV policy: a new cache and engine, no reload
+        (what a search over many policies needs). Engine settings stay as they were."""
+        other = copy.copy(self)
+        other.policy = as_policy(policy)
+        other.policy.check_model(self.arch)
+        other.engine = other._build_engine()
+        return other
 
     def encode_prompt(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
         if not isinstance(prompt, str):

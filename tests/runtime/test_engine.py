@@ -200,6 +200,28 @@ def test_bad_settings_fail_before_weights_load(tiny_llama, monkeypatch, kwargs, 
     assert error.value.field == field
 
 
+def test_with_policy_equals_a_fresh_runtime_under_that_policy(tiny_llama):
+    ids = random.Random(5).choices(range(3, TINY_VOCAB), k=70)
+    exact = LLM(str(tiny_llama), KVPolicy("auto", "auto", block_size=16, chunk_size=32))
+    policy = KVPolicy(
+        "fp4",
+        "fp8",
+        group_size=8,
+        block_size=16,
+        chunk_size=32,
+        csa_ratio=2,
+        csa_window=16,
+        csa_sinks=4,
+    )
+    fresh = LLM(str(tiny_llama), policy).prompt_logits(ids)
+    switched = exact.with_policy(policy)
+    assert switched.model is exact.model and switched.policy == policy
+    torch.testing.assert_close(switched.prompt_logits(ids), fresh, rtol=0, atol=0)
+    assert not torch.equal(exact.prompt_logits(ids), fresh)  # the original keeps its own cache
+    with pytest.raises(ConfigError, match="group_size"):
+        exact.with_policy(KVPolicy("fp8", "fp8", group_size=48))
+
+
 def test_unknown_model_and_missing_files(tmp_path):
     with pytest.raises(ConfigError, match="model"):
         LLM("no-such-model")
