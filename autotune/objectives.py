@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from autotune.eval_cache import JsonCache, model_fingerprint
+from autotune.evaluation import evaluate
 from autotune.latency import measure_latency
 from autotune.plan import kv_budget_bytes, max_num_seqs, predicted_decode_ms
 from autotune.sensitivity import RuntimeSettings
@@ -135,16 +136,6 @@ def capacity_metrics(
     }
 
 
-def evaluate_accuracy(
-    policy: KVPolicy, suite: Mapping[str, Any], model: str, runtime: RuntimeSettings
-) -> dict[str, Any]:
-    """Accuracy of the policy on the suite (autotune.evaluation's contract): keys tasks,
-    accuracy_retention, kl, top1_agreement, answer_agreement, seconds."""
-    from autotune.evaluation import evaluate
-
-    return evaluate(policy, suite)
-
-
 @dataclass(frozen=True)
 class TrialContext:
     """Everything a measurement depends on besides the policy."""
@@ -161,7 +152,7 @@ class TrialContext:
 
 def measured_metrics(policy: KVPolicy, context: TrialContext) -> dict[str, float]:
     """Accuracy and latency of the policy on the runtime (the expensive, cacheable part)."""
-    accuracy = evaluate_accuracy(policy, context.suite, context.model, context.runtime)
+    accuracy = evaluate(policy, context.suite)
     workload = context.workload
     llm = LLM(
         context.model,
