@@ -25,7 +25,7 @@ from runtime.model_source import cache_dir
 logger = logging.getLogger(__name__)
 
 # Bump when a cached measurement would be computed differently.
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 

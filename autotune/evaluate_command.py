@@ -29,10 +29,18 @@ def _number(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _exact_match(task: dict[str, Any]) -> str:
+    """'policy / baseline' greedy exact match of a QA task; '-' for perplexity."""
+    if task.get("exact_match") is None:
+        return "-"
+    return f"{task['exact_match']:.2f} / {task['baseline_exact_match']:.2f}"
+
+
 def render_result(result: dict[str, Any], console: Console) -> None:
     """Per-task scores next to the baseline's, then the suite-wide figures."""
     table = Table(title=f"kvtune evaluate: {result['suite']} suite, {result['model']}")
-    for column in ("task", "metric", "score", "± stderr", "baseline", "retention", "KL", "top-1"):
+    columns = ("task", "metric", "score", "± stderr", "baseline", "retention", "exact match")
+    for column in (*columns, "KL", "top-1"):
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
     for name, task in result["tasks"].items():
         table.add_row(
@@ -42,12 +50,14 @@ def render_result(result: dict[str, Any], console: Console) -> None:
             _number(task["stderr"]),
             _number(task["baseline_score"]),
             _number(task["retention"]),
+            _exact_match(task),
             _number(task["kl"], 4),
             _number(task["top1_agreement"]),
         )
     console.print(table)
     console.print(
-        f"accuracy retention {_number(result['accuracy_retention'])}, "
+        f"accuracy retention {_number(result['accuracy_retention'])} "
+        f"(exact match {_number(result['exact_match_retention'])}), "
         f"KL {_number(result['kl'], 4)}, top-1 agreement {_number(result['top1_agreement'])}, "
         f"answer agreement {_number(result['answer_agreement'])}, "
         f"{result['seconds']:.1f} s (baseline {result['baseline_seconds']:.1f} s)"

@@ -58,8 +58,15 @@ METRICS: dict[str, Metric] = {
     "predicted_decode_ms": Metric(MINIMIZE, "ms per decode step on the target, predicted"),
 }
 MAX_OBJECTIVES = 3
-# Fidelity to the baseline reported by the suite (absent when no task measures it).
-FIDELITY_METRICS = ("kl", "kl_prompt_tail", "top1_agreement", "answer_agreement")
+# Fidelity to the baseline and greedy exact-match retention, as the suite reports them
+# (absent when no task measures them).
+FIDELITY_METRICS = (
+    "kl",
+    "kl_prompt_tail",
+    "top1_agreement",
+    "answer_agreement",
+    "exact_match_retention",
+)
 
 
 def parse_objectives(names: Sequence[str]) -> tuple[str, ...]:

@@ -2,8 +2,9 @@
 
 Runs the suite (default `quick`) for a few policies with the baseline cached, as a trial does,
 and reports wall seconds per policy (target <= 60 s on 2 CPU cores), then the baseline's score
-per task with its bootstrap standard error and the chance level. Timings depend on how busy
-the machine is: the torch thread count and load average are printed with them.
+per task with its bootstrap standard error, its greedy exact match and the chance level.
+Timings depend on how busy the machine is: the torch thread count and load average are
+printed with them.
 
     .venv/bin/python -m benchmarks.eval_cost [--suite quick] [--policies "fp16,fp8 tensor"]
 """
@@ -39,7 +40,8 @@ def main() -> None:
 
     first = next(iter(results.values()))
     costs = Table(title=f"{suite.name} suite: cost per policy (baseline cached)")
-    for column in ("policy", "seconds", "retention", "± stderr", "KL", "top-1 agreement"):
+    columns = ("policy", "seconds", "retention", "± stderr", "exact-match ret.", "KL", "top-1")
+    for column in columns:
         costs.add_column(column, justify="left" if column == "policy" else "right")
     for name, result in results.items():
         costs.add_row(
@@ -47,6 +49,7 @@ def main() -> None:
             f"{result['seconds']:.1f}",
             fmt(result["accuracy_retention"]),
             fmt(result["accuracy_retention_stderr"]),
+            fmt(result["exact_match_retention"]),
             fmt(result["kl"], 4),
             fmt(result["top1_agreement"]),
         )
@@ -55,7 +58,7 @@ def main() -> None:
         console.print(f"baseline computed once in this run: {first['baseline_seconds']:.1f} s")
 
     baseline = Table(title=f"{suite.name} suite: uncompressed baseline (auto K/V) per task")
-    for column in ("task", "metric", "samples", "baseline", "± stderr", "chance"):
+    for column in ("task", "metric", "samples", "baseline", "± stderr", "exact match", "chance"):
         baseline.add_column(column, justify="left" if column in ("task", "metric") else "right")
     for task, values in first["tasks"].items():
         baseline.add_row(
@@ -64,6 +67,7 @@ def main() -> None:
             str(values["samples"]),
             fmt(values["baseline_score"]),
             fmt(values["baseline_stderr"]),
+            fmt(values.get("baseline_exact_match")),
             fmt(values["chance"], 6),
         )
     console.print(baseline)

@@ -40,12 +40,11 @@ from kernels.fp_codes import (
     decode_e2m1,
     decode_e4m3,
     decode_e4m3_fast,
-    decode_e4m3_ref,
     decode_packed_e2m1_fast,
     encode_e2m1,
-    encode_e2m1_ref,
+    encode_e2m1_fast,
     encode_e4m3,
-    encode_e4m3_ref,
+    encode_e4m3_fast,
     pack_e2m1_ref,
     round_to_bf16,
 )
@@ -416,8 +415,8 @@ def quantize_ref(
         grouped = scaled.unflatten(-1, (head_dim // fmt.group_size, fmt.group_size))
         exact_scale = grouped.abs().amax(dim=-1) / fmt.max_code
         if fmt.scale_dtype == "e4m3":
-            scales = encode_e4m3_ref(exact_scale)
-            scale = decode_e4m3_ref(scales)
+            scales = encode_e4m3_fast(exact_scale)
+            scale = decode_e4m3_fast(scales)
         else:
             scales = exact_scale.half()
             scale = scales.float()
@@ -425,8 +424,8 @@ def quantize_ref(
         grouped = torch.where(scale[..., None] == 0, 0.0, grouped / divisor)
         scaled = grouped.flatten(-2)
     if fmt.dtype == "fp8":
-        return encode_e4m3_ref(scaled), scales
-    return pack_e2m1_ref(encode_e2m1_ref(scaled)), scales
+        return encode_e4m3_fast(scaled), scales
+    return pack_e2m1_ref(encode_e2m1_fast(scaled)), scales
 
 
 def dequantize_ref(

@@ -130,7 +130,8 @@ class Engine:
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
         self._ids = itertools.count()
         self._clock_start = time.perf_counter()
-        self._prompt_logits: dict[int, list[torch.Tensor]] = {}
+        # seq_id -> (first kept prompt position, {chunk start position: logits})
+        self._prompt_logits: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
         logger.info(
             "KV pools: %d main blocks, %d recent blocks, %.1f MiB",
             sizes.main_blocks,
@@ -147,9 +148,13 @@ class Engine:
         max_new_tokens: int,
         temperature: float = 0.0,
         stop_ids: frozenset[int] = frozenset(),
-        return_prompt_logits: bool = False,
+        prompt_logits_from: int | None = None,
     ) -> Sequence:
-        """Queue a request; prompts longer than max_model_len are refused before any work."""
+        """Queue a request; prompts longer than max_model_len are refused before any work.
+
+        prompt_logits_from: keep the logits of prompt positions from this one on (for
+        take_prompt_logits); the vocabulary projection runs only there.
+        """
         if not prompt_ids:
             raise ConfigError("prompt", "<empty>", "at least one token")
         if len(prompt_ids) > self.config.max_model_len:
@@ -164,8 +169,12 @@ class Engine:
         seq = Sequence(
             next(self._ids), list(prompt_ids), max_new_tokens, temperature, metrics, stop_ids
         )
-        if return_prompt_logits:
-            self._prompt_logits[seq.seq_id] = []
+        if prompt_logits_from is not None:
+            if not 0 <= prompt_logits_from < len(prompt_ids):
+                raise ConfigError(
+                    "prompt_logits_from", prompt_logits_from, f"0..{len(prompt_ids) - 1}"
+                )
+            self._prompt_logits[seq.seq_id] = (prompt_logits_from, {})
         self.scheduler.add(seq)
         return seq
 
@@ -228,9 +237,7 @@ class Engine:
             kv = self.scheduler.kv[seq.seq_id]
             seq.metrics.peak_kv_bytes = max(seq.metrics.peak_kv_bytes, self._held_bytes(kv))
             if seq.seq_id in self._prompt_logits:
-                self._prompt_logits[seq.seq_id].append(
-                    self.model.logits(hidden[item_rows.start : item_rows.stop]).float().cpu()
-                )
+                self._keep_prompt_logits(seq, hidden, item_rows)
             if seq.num_cached < seq.num_tokens:
                 continue  # more prefill chunks to come
             if seq.max_new_tokens > len(seq.output_ids):
@@ -244,6 +251,17 @@ class Engine:
                 finished.append(seq)
         return finished
 
+    def _keep_prompt_logits(self, seq: Sequence, hidden: torch.Tensor, rows: range) -> None:
+        """Project this chunk's wanted prompt positions to logits, keyed by position (a
+        recomputed chunk after preemption overwrites its first pass)."""
+        first_kept, chunks = self._prompt_logits[seq.seq_id]
+        start = seq.num_cached - len(rows)
+        skip = max(0, first_kept - start)
+        end = min(len(rows), len(seq.prompt_ids) - start)
+        if skip < end:
+            wanted = hidden[rows.start + skip : rows.start + end]
+            chunks[start + skip] = self.model.logits(wanted).float().cpu()
+
     def _choose(self, logits: torch.Tensor, temperature: float) -> int:
         if temperature == 0:
             return int(torch.argmax(logits))
@@ -255,8 +273,14 @@ class Engine:
             self.step()
 
     def take_prompt_logits(self, seq: Sequence) -> torch.Tensor:
-        """Logits [prompt_len, vocab] (fp32, CPU) at every prompt position of a finished request."""
-        return torch.cat(self._prompt_logits.pop(seq.seq_id))[: len(seq.prompt_ids)]
+        """Logits [prompt_len - first kept position, vocab] (fp32, CPU) of a finished
+        request's kept prompt positions."""
+        first_kept, chunks = self._prompt_logits.pop(seq.seq_id)
+        vocab = next(iter(chunks.values())).shape[-1]
+        out = torch.empty(len(seq.prompt_ids) - first_kept, vocab)
+        for start, logits in sorted(chunks.items()):
+            out[start - first_kept : start - first_kept + len(logits)] = logits
+        return out
 
     def stats(self) -> dict[str, float | int]:
         """Engine-wide KV usage: pool bytes, bytes held by sequences, fragmentation, peaks."""

@@ -156,10 +156,19 @@ class LLM:
         ]
 
     @torch.no_grad()
-    def prompt_logits_batch(self, prompts: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """fp32 logits [len, vocab] at every position of each prompt, computed by chunked
-        prefill through the policy's cache (what evaluation scores)."""
-        seqs = [self.engine.add_request(list(ids), 0, return_prompt_logits=True) for ids in prompts]
+    def prompt_logits_batch(
+        self, prompts: Sequence[Sequence[int]], starts: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """fp32 logits [len - start, vocab] at each prompt's positions from its start (default
+        0: every position), computed by chunked prefill through the policy's cache (what
+        evaluation scores). Positions before a start skip the vocabulary projection."""
+        starts = [0] * len(prompts) if starts is None else starts
+        if len(starts) != len(prompts):
+            raise ConfigError("starts", len(starts), f"one start per prompt ({len(prompts)})")
+        seqs = [
+            self.engine.add_request(list(ids), 0, prompt_logits_from=start)
+            for ids, start in zip(prompts, starts, strict=True)
+        ]
         self.engine.run()
         return [self.engine.take_prompt_logits(seq) for seq in seqs]
 

@@ -30,7 +30,7 @@ from runtime.policy import KVPolicy
 logger = logging.getLogger(__name__)
 
 BASELINE_POLICY = KVPolicy(k_dtype="auto", v_dtype="auto", csa_ratio=1)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bump when SuiteRun's stored fields change
 
 
 def baseline_key(suite: EvalSuite, model_folder: Path) -> str:

@@ -11,9 +11,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from autotune.evaluation.baseline_cache import baseline_run
 from autotune.evaluation.fidelity import Key, task_fidelity
-from autotune.evaluation.scoring import PRIMARY, retention, retention_stderr
+from autotune.evaluation.scoring import EXACT_MATCH, PRIMARY, TaskScore, retention, retention_stderr
 from autotune.evaluation.suite import EvalSuite, load_suite
 from autotune.evaluation.suite_run import SuiteRun, run_suite
 from autotune.evaluation.task_files import TaskFolder, task_folder
@@ -42,11 +44,13 @@ def evaluate(
     EvalSuite) against the uncompressed baseline.
 
     Returns a plain dict (JSON-ready): `tasks` (per task: metric, score, stderr,
-    baseline_score, retention and its stderr, chance, fidelity), `accuracy_retention` (mean
-    over tasks of policy / baseline score; baseline / policy for perplexity) and
-    `accuracy_retention_stderr` (bootstrap, propagated), `kl`, `kl_prompt_tail`,
-    `top1_agreement`, `answer_agreement` (means over tasks), `seconds` (this policy's cost:
-    loading and scoring) and `baseline_seconds` (the baseline's, when it was not cached).
+    baseline_score, retention and its paired-bootstrap stderr, greedy exact match for QA
+    tasks, chance, fidelity), `accuracy_retention` (mean over tasks of policy / baseline
+    score; baseline / policy for perplexity) and `accuracy_retention_stderr` (propagated),
+    `exact_match_retention` (mean over QA tasks of greedy exact-match retention), `kl`,
+    `kl_prompt_tail`, `top1_agreement`, `answer_agreement` (means over tasks), `seconds` (this
+    policy's cost: loading and scoring) and `baseline_seconds` (the baseline's, when it was
+    not cached).
 
         evaluate({"k_dtype": "fp8", "v_dtype": "fp8"}, "quick")["accuracy_retention"]
     """
@@ -93,6 +97,17 @@ def _mean_stderr(stderrs: Iterable[float | None]) -> float | None:
     return math.sqrt(sum(v * v for v in values)) / len(values)
 
 
+def _exact_match(score: TaskScore, base: TaskScore) -> dict[str, float | None]:
+    """Greedy exact match of a QA task next to its headline score (empty for perplexity)."""
+    if score.exact_match is None or base.exact_match is None:
+        return {}
+    return {
+        "exact_match": score.exact_match,
+        "baseline_exact_match": base.exact_match,
+        "exact_match_retention": retention(EXACT_MATCH, score.exact_match, base.exact_match),
+    }
+
+
 def report(
     suite: EvalSuite, policy: KVPolicy, folder: TaskFolder, baseline: SuiteRun, run: SuiteRun
 ) -> dict[str, Any]:
@@ -102,6 +117,7 @@ def report(
         base = baseline.tasks[name]
         task = TASKS[name]
         keys = _task_keys(folder, name, run.rows)
+        metric = PRIMARY[task.kind]
         tasks[name] = {
             "metric": score.metric,
             "higher_is_better": score.higher_is_better,
@@ -109,10 +125,11 @@ def report(
             "stderr": score.stderr,
             "baseline_score": base.score,
             "baseline_stderr": base.stderr,
-            "retention": retention(PRIMARY[task.kind], score.score, base.score),
+            "retention": retention(metric, score.score, base.score),
             "retention_stderr": retention_stderr(
-                PRIMARY[task.kind], score.score, score.stderr, base.score
+                metric, np.asarray(score.values), np.asarray(base.values)
             ),
+            **_exact_match(score, base),
             "samples": score.samples,
             "chance": task.chance,
             **task_fidelity(baseline.rows, run.rows, keys, answers=task.kind == QA),
@@ -128,5 +145,6 @@ def report(
         "accuracy_retention_stderr": _mean_stderr(
             t["retention_stderr"] for t in tasks.values() if t["retention"] is not None
         ),
+        "exact_match_retention": _mean(t.get("exact_match_retention") for t in tasks.values()),
         **{key: _mean(t[key] for t in tasks.values()) for key in FIDELITY_KEYS},
     }

@@ -55,6 +55,15 @@ class ScoringItem:
     targets: list[int]
     num_tail: int
 
+    @property
+    def end(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def first_read(self) -> int:
+        """First position whose logits the item reads (its tail, then its targets)."""
+        return self.end - len(self.targets) - self.num_tail
+
 
 @register_model("kvtune")
 class KVTuneLM(TemplateLM):
@@ -208,20 +217,25 @@ class KVTuneLM(TemplateLM):
             served[host].append(index)
         results: list[tuple[float, bool]] = [(0.0, True)] * len(items)
         lengths = [len(items[host].inputs) for host in hosts]
+        # Each pass projects to the vocabulary only from the first position a served item reads.
+        starts = [
+            min([items[i].first_read for i in served[host]] + [len(items[host].inputs) - 1])
+            for host in hosts
+        ]
         bar = tqdm(total=sum(lengths), unit="tok", desc=f"kvtune {what}", disable=disable_tqdm)
         with bar:
             for batch in token_batches(lengths, self.batch_tokens):
                 prompts = [items[hosts[b]].inputs for b in batch]
-                for b, logits in zip(batch, self.llm.prompt_logits_batch(prompts), strict=True):
+                logits = self.llm.prompt_logits_batch(prompts, [starts[b] for b in batch])
+                for b, host_logits in zip(batch, logits, strict=True):
                     for index in served[hosts[b]]:
-                        results[index] = self._read(items[index], logits)
+                        results[index] = self._read(items[index], host_logits, starts[b])
                 bar.update(sum(lengths[b] for b in batch))
         return results
 
-    def _read(self, item: ScoringItem, logits: torch.Tensor) -> tuple[float, bool]:
-        end = len(item.inputs)
-        start = end - len(item.targets) - item.num_tail
-        rows = torch.log_softmax(logits[start:end].float(), dim=-1)
+    def _read(self, item: ScoringItem, logits: torch.Tensor, offset: int) -> tuple[float, bool]:
+        """Score one item from its host's logits, whose first row is position `offset`."""
+        rows = torch.log_softmax(logits[item.first_read - offset : item.end - offset].float(), -1)
         scored = rows[item.num_tail :]
         targets = torch.tensor(item.targets, dtype=torch.long)
         logprob = float(scored.gather(1, targets[:, None]).sum())

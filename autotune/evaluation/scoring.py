@@ -1,13 +1,19 @@
 """Per-task scores, their bootstrap standard errors, and retention against the baseline.
 
-A question-answering task scores exact-match accuracy (lm-eval's `acc`: the gold answer is
-what greedy decoding produces); wiki_ppl scores word perplexity (lower is better). Standard
-errors come from one seeded bootstrap over documents for every metric, so accuracy and
-perplexity are treated alike (lm-eval reports none for perplexity).
+A question-answering task's headline score is the mean probability the model gives the gold
+answer (exp of lm-eval's per-sample log-likelihood): the exact-match rate a model sampling at
+temperature 1 would expect. It moves with every degradation of recall, where greedy exact
+match (lm-eval's `acc`, also reported) flips in steps of one question and needs many more
+questions for the same resolution. wiki_ppl scores word perplexity (lower is better).
+
+Standard errors come from one seeded bootstrap over samples for every metric. Retention's is a
+paired bootstrap: the policy and the baseline answer the same questions, so each resample draws
+the same samples for both, and only the questions a policy changes move it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +25,7 @@ from autotune.evaluation.tasks import PERPLEXITY, QA
 BOOTSTRAP_ITERS = 1000
 
 Statistic = Callable[[np.ndarray], np.ndarray]
+SampleValue = Callable[[dict[str, Any]], list[float]]
 
 
 def _mean(values: np.ndarray) -> np.ndarray:
@@ -30,85 +37,129 @@ def _weighted_perplexity(values: np.ndarray) -> np.ndarray:
     return np.exp(-values[..., 0].sum(axis=-1) / values[..., 1].sum(axis=-1))
 
 
+def _answer_probability(sample: dict[str, Any]) -> list[float]:
+    # lm-eval's per-sample "perplexity" of a loglikelihood task is the answer's log-likelihood.
+    return [math.exp(float(sample["perplexity"]))]
+
+
+def _greedy_match(sample: dict[str, Any]) -> list[float]:
+    return [float(sample["acc"])]
+
+
+def _loglikelihood_and_words(sample: dict[str, Any]) -> list[float]:
+    return [float(value) for value in sample["word_perplexity"]]
+
+
 @dataclass(frozen=True)
 class Metric:
-    """A task kind's headline metric: its name in lm-eval's samples and results, its
-    direction, and how per-document values aggregate."""
+    """A score: its name, its direction, what it reads from each lm-eval sample, and how
+    per-sample values aggregate."""
 
     name: str
     higher_is_better: bool
+    per_sample: SampleValue
     statistic: Statistic
 
     def values(self, samples: Sequence[dict[str, Any]]) -> np.ndarray:
-        """[documents, 1 or 2] per-document values as lm-eval logs them."""
-        rows = [np.atleast_1d(np.asarray(sample[self.name], dtype=float)) for sample in samples]
-        return np.stack(rows)
+        """[samples, 1 or 2] per-sample values, in lm-eval's document order."""
+        ordered = sorted(samples, key=lambda sample: sample["doc_id"])
+        return np.array([self.per_sample(sample) for sample in ordered], dtype=float)
 
 
 PRIMARY: dict[str, Metric] = {
-    QA: Metric("acc", True, _mean),
-    PERPLEXITY: Metric("word_perplexity", False, _weighted_perplexity),
+    QA: Metric("answer_probability", True, _answer_probability, _mean),
+    PERPLEXITY: Metric("word_perplexity", False, _loglikelihood_and_words, _weighted_perplexity),
 }
+EXACT_MATCH = Metric("exact_match", True, _greedy_match, _mean)
 
 
 def score(metric: Metric, values: np.ndarray) -> float:
     return float(metric.statistic(values))
 
 
+def _resamples(count: int, iters: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, count, size=(iters, count))
+
+
 def bootstrap_stderr(
     metric: Metric, values: np.ndarray, iters: int = BOOTSTRAP_ITERS, seed: int = 0
 ) -> float | None:
-    """Standard deviation of the metric over documents resampled with replacement (None for
-    fewer than two documents)."""
-    count = len(values)
-    if count < 2:
+    """Standard deviation of the metric over samples resampled with replacement (None for
+    fewer than two samples)."""
+    if len(values) < 2:
         return None
-    indices = np.random.default_rng(seed).integers(0, count, size=(iters, count))
-    return float(metric.statistic(values[indices]).std(ddof=1))
+    return float(metric.statistic(values[_resamples(len(values), iters, seed)]).std(ddof=1))
+
+
+def _ratio(metric: Metric, policy: np.ndarray, baseline: np.ndarray) -> np.ndarray:
+    """score / baseline for higher-is-better metrics, baseline / score otherwise."""
+    if metric.higher_is_better:
+        return policy / baseline
+    return baseline / policy
 
 
 def retention(metric: Metric, policy_score: float, baseline_score: float) -> float | None:
     """Share of the baseline's quality a policy keeps: score / baseline for accuracy,
-    baseline / score for perplexity. None when the baseline scores 0 (nothing to keep)."""
-    if metric.higher_is_better:
-        return policy_score / baseline_score if baseline_score > 0 else None
-    return baseline_score / policy_score if policy_score > 0 else None
+    baseline / score for perplexity. None when the denominator is 0 (nothing to keep)."""
+    denominator = baseline_score if metric.higher_is_better else policy_score
+    if denominator <= 0:
+        return None
+    return float(_ratio(metric, np.float64(policy_score), np.float64(baseline_score)))
 
 
 def retention_stderr(
-    metric: Metric, policy_score: float, stderr: float | None, baseline_score: float
+    metric: Metric,
+    policy_values: np.ndarray,
+    baseline_values: np.ndarray,
+    iters: int = BOOTSTRAP_ITERS,
+    seed: int = 0,
 ) -> float | None:
-    """Standard error of retention from the policy score's, the baseline held fixed (it is
-    the reference on the same documents): stderr / baseline for accuracy, and
-    baseline x stderr / score^2 for perplexity (first-order)."""
-    if stderr is None or retention(metric, policy_score, baseline_score) is None:
+    """Paired bootstrap standard error of retention: each resample draws the same samples for
+    the policy and the baseline. None for fewer than two samples or a zero denominator."""
+    if len(policy_values) != len(baseline_values):
+        raise ValueError("policy and baseline must score the same samples")
+    if len(policy_values) < 2:
         return None
-    if metric.higher_is_better:
-        return stderr / baseline_score
-    return baseline_score * stderr / policy_score**2
+    indices = _resamples(len(policy_values), iters, seed)
+    policy = metric.statistic(policy_values[indices])
+    baseline = metric.statistic(baseline_values[indices])
+    denominator = baseline if metric.higher_is_better else policy
+    usable = denominator > 0
+    if not usable.any():
+        return None
+    return float(_ratio(metric, policy[usable], baseline[usable]).std(ddof=1))
 
 
 @dataclass(frozen=True)
 class TaskScore:
-    """One task's headline metric for one policy, over `samples` documents."""
+    """One task's headline metric for one policy over `samples` samples.
+
+    values: per-sample values of the headline metric (for the paired retention bootstrap).
+    exact_match / exact_match_values: greedy exact-match rate and per-sample matches (QA).
+    """
 
     metric: str
     higher_is_better: bool
     score: float
     stderr: float | None
     samples: int
+    values: list[list[float]]
+    exact_match: float | None = None
+    exact_match_values: list[list[float]] | None = None
 
 
-def task_score(
-    kind: str, lm_eval_metrics: dict[str, Any], samples: Sequence[dict[str, Any]]
-) -> TaskScore:
-    """The task's headline score as lm-eval aggregated it, with a bootstrap stderr."""
+def task_score(kind: str, samples: Sequence[dict[str, Any]]) -> TaskScore:
+    """The task's headline score from lm-eval's logged samples, with a bootstrap stderr."""
     metric = PRIMARY[kind]
     values = metric.values(samples)
+    matches = EXACT_MATCH.values(samples) if kind == QA else None
     return TaskScore(
         metric.name,
         metric.higher_is_better,
-        float(lm_eval_metrics[metric.name]),
+        score(metric, values),
         bootstrap_stderr(metric, values),
         len(values),
+        values.tolist(),
+        None if matches is None else score(EXACT_MATCH, matches),
+        None if matches is None else matches.tolist(),
     )

@@ -47,7 +47,5 @@ def run_suite(
         observer=recorder,
     )
     runs = run_tasks(lm, folder)
-    scores = {
-        task: task_score(TASKS[task].kind, run.metrics, run.samples) for task, run in runs.items()
-    }
+    scores = {task: task_score(TASKS[task].kind, run.samples) for task, run in runs.items()}
     return SuiteRun(scores, recorder.rows, time.perf_counter() - started)

@@ -99,6 +99,7 @@ def test_baseline_is_above_chance_on_every_task_of_the_quick_suite(eval_cache):
             assert score.score < 200, name
         else:
             assert score.score > chance + 0.2, (name, score.score)
+            assert score.exact_match > chance + 0.2, (name, score.exact_match)
     assert baseline_run(suite, folder, model_folder, eval_cache)[1] is False  # now cached
 
 
@@ -153,6 +154,7 @@ def test_evaluate_command_prints_one_json_object(tmp_path, eval_cache):
     assert output["suite"] == "small"
     assert output["policy"]["k_dtype"] == "fp8"
     assert set(output["tasks"]) == set(SMALL["tasks"])
-    for key in ("accuracy_retention", "kl", "top1_agreement", "answer_agreement", "seconds"):
+    keys = ("accuracy_retention", "exact_match_retention", "kl", "top1_agreement", "seconds")
+    for key in (*keys, "answer_agreement"):
         assert isinstance(output[key], float), key
     assert 0 <= output["top1_agreement"] <= 1

@@ -9,11 +9,13 @@ import pytest
 
 from autotune.evaluation.prefill_plan import share_prefixes, token_batches
 from autotune.evaluation.scoring import (
+    EXACT_MATCH,
     PRIMARY,
     bootstrap_stderr,
     retention,
     retention_stderr,
     score,
+    task_score,
 )
 from autotune.evaluation.suite import TASK_NAMES, EvalSuite, TaskSize, load_suite
 from autotune.evaluation.tasks import PERPLEXITY, QA
@@ -35,6 +37,7 @@ def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
     assert other.seed != quick.seed  # held-out documents, not the quick ones again
     for name in TASK_NAMES:
         assert other.tasks[name].docs >= quick.tasks[name].docs
+        assert other.tasks[name].questions >= quick.tasks[name].questions
 
 
 @pytest.mark.parametrize(
@@ -97,10 +100,48 @@ def test_retention_goes_the_right_way_for_each_metric():
     assert retention(PRIMARY[QA], 0.5, 1.0) == 0.5
     assert retention(PRIMARY[QA], 0.5, 0.0) is None
     assert retention(PRIMARY[PERPLEXITY], 40.0, 20.0) == 0.5  # perplexity doubled
-    assert retention_stderr(PRIMARY[QA], 0.5, 0.1, 0.8) == pytest.approx(0.125)
-    # d(20 / s)/ds = -20 / s^2: a stderr of 4 on a perplexity of 40 is 0.05 of retention.
-    assert retention_stderr(PRIMARY[PERPLEXITY], 40.0, 4.0, 20.0) == pytest.approx(0.05)
-    assert retention_stderr(PRIMARY[QA], 0.5, None, 0.8) is None
+    assert retention(PRIMARY[PERPLEXITY], 0.0, 20.0) is None
+
+
+def test_paired_retention_stderr_moves_only_with_the_changed_samples():
+    rng = np.random.default_rng(0)
+    baseline = rng.uniform(0.2, 1.0, size=(40, 1))
+    assert retention_stderr(PRIMARY[QA], baseline.copy(), baseline) == 0.0
+    halved = baseline * 0.5  # every sample loses half: retention is exactly 0.5 in any resample
+    assert retention_stderr(PRIMARY[QA], halved, baseline) == pytest.approx(0.0, abs=1e-12)
+    one_lost = baseline.copy()
+    one_lost[0] = 0.0
+    paired = retention_stderr(PRIMARY[QA], one_lost, baseline)
+    unpaired = bootstrap_stderr(PRIMARY[QA], one_lost) / score(PRIMARY[QA], baseline)
+    assert 0 < paired < unpaired / 2
+    assert retention_stderr(PRIMARY[QA], baseline[:1], baseline[:1]) is None
+    with pytest.raises(ValueError, match="same samples"):
+        retention_stderr(PRIMARY[QA], baseline[:3], baseline)
+
+
+def test_perplexity_retention_stderr_is_paired_too():
+    words = np.full((20, 1), 10.0)
+    baseline = np.hstack([np.linspace(-40, -20, 20)[:, None], words])
+    worse = baseline.copy()
+    worse[:, 0] *= 1.1  # every document's log-likelihood 10% lower
+    stderr = retention_stderr(PRIMARY[PERPLEXITY], worse, baseline)
+    assert stderr is not None and stderr < 0.01  # the same shift in every resample
+
+
+def test_task_scores_read_lm_eval_samples_in_document_order():
+    samples = [
+        {"doc_id": 1, "perplexity": math.log(0.25), "acc": 0},
+        {"doc_id": 0, "perplexity": math.log(0.75), "acc": 1},
+    ]
+    result = task_score(QA, samples)
+    assert result.metric == "answer_probability"
+    assert result.score == pytest.approx(0.5)
+    assert result.values == [[pytest.approx(0.75)], [pytest.approx(0.25)]]
+    assert result.exact_match == 0.5 and result.exact_match_values == [[1.0], [0.0]]
+    assert EXACT_MATCH.values(samples).tolist() == [[1.0], [0.0]]
+    ppl = task_score(PERPLEXITY, [{"doc_id": 0, "word_perplexity": (-20.0, 10)}])
+    assert ppl.score == pytest.approx(math.exp(2.0)) and ppl.exact_match is None
+    assert ppl.stderr is None  # one document: no bootstrap
 
 
 def test_prefixes_share_the_longest_pass():

@@ -17,8 +17,10 @@ from kernels.fp_codes import (
     decode_e4m3_ref,
     decode_packed_e2m1_fast,
     encode_e2m1,
+    encode_e2m1_fast,
     encode_e2m1_ref,
     encode_e4m3,
+    encode_e4m3_fast,
     encode_e4m3_ref,
     pack_e2m1_ref,
     round_to_bf16,
@@ -183,6 +185,19 @@ def test_round_to_bf16_bit_exact_with_torch() -> None:
     expected = x.bfloat16()
     assert torch.equal(result.view(torch.int16), expected.view(torch.int16))
     assert torch.isnan(_apply(round_to_bf16, torch.tensor([torch.nan]), torch.bfloat16)).all()
+
+
+@pytest.mark.parametrize(
+    ("fast", "ref", "inputs"),
+    [
+        (encode_e4m3_fast, encode_e4m3_ref, _e4m3_inputs),
+        (encode_e2m1_fast, encode_e2m1_ref, _e2m1_inputs),
+    ],
+)
+def test_fast_encoders_equal_the_references_bit_for_bit(fast, ref, inputs):
+    x = torch.cat((inputs(), torch.tensor([torch.nan, -torch.nan, -0.0])))
+    assert torch.equal(fast(x), ref(x))
+    assert torch.equal(fast(x.bfloat16()), ref(x.bfloat16()))
 
 
 def test_fast_decoders_equal_the_references_on_every_code():

@@ -42,6 +42,22 @@ def test_auto_prompt_logits_match_transformers(tiny_model):
     assert relative_error(logits, transformers_logits(tiny_model, tokens)) < 1e-4
 
 
+def test_prompt_logits_from_a_start_equal_the_tail_of_all_logits(tiny_model):
+    """Starts inside and across chunks (chunk 16) in one batch: the rows are the same (up to
+    BLAS blocking of a shorter projection: float32 rounding)."""
+    prompts = [random_tokens(45), random_tokens(30, seed=1)]
+    llm = LLM(str(tiny_model), policy=AUTO_CHUNKED, max_model_len=128)
+    full = llm.prompt_logits_batch(prompts)
+    tails = llm.prompt_logits_batch(prompts, starts=[21, 0])
+    assert tails[0].shape == (45 - 21, TINY_VOCAB)
+    torch.testing.assert_close(tails[0], full[0][21:], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(tails[1], full[1], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConfigError, match="prompt_logits_from"):
+        llm.prompt_logits_batch(prompts, starts=[45, 0])
+    with pytest.raises(ConfigError, match="starts"):
+        llm.prompt_logits_batch(prompts, starts=[0])
+
+
 @pytest.mark.slow
 def test_auto_prompt_logits_match_transformers_on_smollm2(smollm2_folder):
     llm = LLM("smollm2-135m", policy=KVPolicy("auto", "auto", chunk_size=64), max_model_len=512)

@@ -2,9 +2,10 @@
 
 A question-answering task is a list of conversations: a document (haystack) and questions
 about it, one user turn each. The assistant's turn opens with an answer prefix that echoes the
-needle's wording (RULER style), and the gold answer is scored by exact greedy match: the
-embedded 135M model answers short factual questions through its chat template but fumbles
-free-form openings (DESIGN.md section 7). Later turns carry the earlier gold answers, so every
+needle's wording (RULER style), and the gold answer is scored by the probability the model
+gives it, and by exact greedy match (scoring.py): the embedded 135M model answers short
+factual questions through its chat template but fumbles free-form openings (the shared
+DESIGN.md, section 7). Later turns carry the earlier gold answers, so every
 question of a conversation extends the same prompt and shares one prefill pass.
 """
 
@@ -20,7 +21,7 @@ from autotune.evaluation.suite import TaskSize
 from runtime.errors import ConfigError
 from runtime.tokenizer import Tokenizer
 
-QA = "qa"  # lm-eval `loglikelihood`: exact greedy match of a short answer
+QA = "qa"  # lm-eval `loglikelihood` of a short gold answer (its probability, greedy match)
 PERPLEXITY = "perplexity"  # lm-eval `loglikelihood_rolling`
 MAX_DRAWS = 100
 

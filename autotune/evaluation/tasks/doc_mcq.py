@@ -3,9 +3,10 @@
 The four descriptions are the opening sentences of four Wikipedia articles whose paragraphs are
 all buried in the document, so the model must bind the asked title to its own paragraph. The
 model answers by starting the matching description ("<title> is a ..."), and its first three
-words are scored by exact greedy match. Two forms were dropped for SmolLM2-135M: answering with
-the option letter scores at chance (25%), and lm-eval's multiple_choice (one log-likelihood a
-description) costs four prefill passes a question without a prefix cache in the runtime.
+words are scored (their probability, and exact greedy match). Two forms were dropped for
+SmolLM2-135M: answering with the option letter scores at chance (25%), and lm-eval's
+multiple_choice (one log-likelihood a description) costs four prefill passes a question
+without a prefix cache in the runtime.
 """
 
 from __future__ import annotations
