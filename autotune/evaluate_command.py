@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -33,19 +34,25 @@ def _exact_match(task: dict[str, Any]) -> str:
     """'policy / baseline' greedy exact match of a QA task; '-' for perplexity."""
     if task.get("exact_match") is None:
         return "-"
-    return f"{task['exact_match']:.2f} / {task['baseline_exact_match']:.2f}"
+    return f"{task['exact_match']:.2f}/{task['baseline_exact_match']:.2f}"
 
 
 def render_result(result: dict[str, Any], console: Console) -> None:
     """Per-task scores next to the baseline's, then the suite-wide figures."""
-    table = Table(title=f"kvtune evaluate: {result['suite']} suite, {result['model']}")
-    columns = ("task", "metric", "score", "± stderr", "baseline", "retention", "exact match")
+    table = Table(
+        title=f"kvtune evaluate: {result['suite']} suite, {result['model']}",
+        box=box.SIMPLE,
+        pad_edge=False,
+        collapse_padding=True,
+    )
+    columns = ("task", "score", "± stderr", "baseline", "retention", "exact match")
     for column in (*columns, "KL", "top-1"):
-        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+        table.add_column(
+            column, justify="left" if column == "task" else "right", min_width=len(column)
+        )
     for name, task in result["tasks"].items():
         table.add_row(
             name,
-            task["metric"],
             _number(task["score"]),
             _number(task["stderr"]),
             _number(task["baseline_score"]),
@@ -55,6 +62,8 @@ def render_result(result: dict[str, Any], console: Console) -> None:
             _number(task["top1_agreement"]),
         )
     console.print(table)
+    metrics = sorted({task["metric"] for task in result["tasks"].values()})
+    console.print(f"score: {', '.join(metrics)}; exact match: greedy, policy/baseline")
     console.print(
         f"accuracy retention {_number(result['accuracy_retention'])} "
         f"(exact match {_number(result['exact_match_retention'])}), "

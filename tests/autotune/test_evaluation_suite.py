@@ -154,3 +154,40 @@ def test_prefixes_share_the_longest_pass():
 
 def test_token_batches_bound_the_tokens_of_a_call():
     assert token_batches([3, 3, 3, 10, 1], 6) == [[0, 1], [2], [3], [4]]
+
+
+def test_evaluate_table_fits_an_80_column_terminal_without_truncation():
+    from rich.console import Console
+
+    from autotune.evaluate_command import render_result
+
+    qa = {
+        "metric": "answer_probability",
+        "score": 0.343,
+        "stderr": 0.039,
+        "baseline_score": 0.479,
+        "retention": 0.717,
+        "exact_match": 1.0,
+        "baseline_exact_match": 1.0,
+        "kl": 0.0123,
+        "top1_agreement": 1.0,
+    }
+    ppl = {**qa, "metric": "word_perplexity", "score": 51.518, "exact_match": None}
+    result = {
+        "suite": "quick",
+        "model": "smollm2-135m",
+        "tasks": {"wiki_ppl": ppl, "passkey": qa, "multikey": qa, "codes": qa, "doc_mcq": qa},
+        "accuracy_retention": 0.978,
+        "exact_match_retention": 1.0,
+        "kl": 0.0136,
+        "top1_agreement": 0.966,
+        "answer_agreement": 0.812,
+        "seconds": 58.2,
+        "baseline_seconds": 0.0,
+    }
+    console = Console(width=80, record=True)
+    render_result(result, console)
+    text = console.export_text()
+    assert "…" not in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "1.00/1.00" in text and "multikey" in text and "answer_probability" in text
