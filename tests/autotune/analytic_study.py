@@ -8,7 +8,13 @@ import optuna
 
 from autotune.objectives import Constraints, TrialFailure
 from autotune.search_space import SearchConfig, SearchSpace
-from autotune.study import StudySettings, TrialObjective, create_or_resume, open_storage
+from autotune.study import (
+    StudySettings,
+    TrialObjective,
+    create_or_resume,
+    make_sampler,
+    open_storage,
+)
 from runtime.arch import ModelArch
 from runtime.kv_bytes import kv_bytes_per_sequence
 
@@ -56,7 +62,10 @@ def new_study(tmp_path, name="s", **settings) -> tuple[StudySettings, optuna.Stu
         name=name, storage=f"sqlite:///{tmp_path / 'optuna.db'}", **settings
     )
     storage = open_storage(study_settings)
-    return study_settings, create_or_resume(study_settings, storage, RECIPE, OBJECTIVES)
+    study = create_or_resume(study_settings, storage, RECIPE, OBJECTIVES)
+    # Seeded, so that which trials a test sees never depends on chance.
+    study.sampler = make_sampler(study_settings, search_space(), study_settings.seed)
+    return study_settings, study
 
 
 def objective(measure=analytic_measure, n_trials=6, min_retention=None):

@@ -4,13 +4,20 @@ refreshed at the end, parent artifacts."""
 from mlflow import MlflowClient
 
 from autotune.results import pareto_front, trial_records
-from autotune.study import run_trials
+from autotune.study import enqueue_warm_starts, run_trials
 from autotune.tracking import StudyTracker
-from tests.autotune.analytic_study import OBJECTIVES, new_study, objective, refuse_compression
+from tests.autotune.analytic_study import (
+    OBJECTIVES,
+    new_study,
+    objective,
+    refuse_compression,
+    search_space,
+)
 
 
 def tracked_study(tmp_path, measure, n_trials):
     settings, study = new_study(tmp_path, name="tracked")
+    enqueue_warm_starts(study, search_space(), 1)  # the uncompressed baseline: one trial completes
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = StudyTracker(uri, tmp_path / "artifacts", "tracked", "tune", {"sampler": "tpe"}, 4)
     run_trials(study, objective(measure, n_trials=n_trials), n_trials, [tracker.log_trial])
@@ -43,6 +50,7 @@ def test_one_nested_run_per_trial_with_params_metrics_and_pareto_tags(tmp_path):
             assert "compression refused" in run.data.tags["failure_reason"]
             assert run.info.status == "FAILED"
     assert front and any(r.data.tags["pareto"] == "true" for r in children)
+    assert {r.info.status for r in children} == {"FINISHED", "FAILED"}
 
 
 def test_parent_run_holds_the_study_artifacts(tmp_path):
