@@ -7,9 +7,9 @@ fp16 paged kernel and over `F.scaled_dot_product_attention` on a dense fp16 cach
     python -m benchmarks.kernels                  # CUDA: full grid (batch 1/8/32, 4K/32K/128K)
     python -m benchmarks.kernels --smoke          # a small grid; on CPU, the torch paths
 
-On CPU (no CUDA, or --device cpu) the torch paths the runtime's `torch` backend uses (batched
-torch attention, reference merge) run on a tiny grid instead of the Triton kernels (no
-interpreter), so that the table and its columns can be checked anywhere. Run benchmarks as
+On CPU (no CUDA, or --device cpu) the runtime's `torch` backend (all streams in one SDPA call)
+runs on a tiny grid instead of the Triton kernels (no interpreter), so that the table and its
+columns can be checked anywhere. Run benchmarks as
 modules (`python -m benchmarks.NAME`): as a script, this file's name would shadow `kernels`.
 """
 
@@ -27,11 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kernels.attention import PagedStream
-from kernels.attention_decode import decode_attention
-from kernels.attention_merge import merge_attention, merge_attention_ref
-from kernels.attention_torch import decode_attention_torch
+from kernels.attention_torch import cache_attention_torch
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool
+from runtime.backends import cache_ops
 
 FORMATS = {
     "fp16": KVFormat("fp16"),
@@ -190,21 +189,20 @@ def measure_paged(
         for length, stride, bias in layout
     ]
     use_triton = device == "cuda"
-    decode = decode_attention if use_triton else decode_attention_torch
-    merge = merge_attention if use_triton else merge_attention_ref
+    attention = cache_ops("triton" if use_triton else "torch").attention
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device)
     scale = shape.head_dim**-0.5
+    seq_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
 
-    def step() -> tuple[torch.Tensor, torch.Tensor]:
-        partials = [decode(q, stream, scale) for stream in streams]
-        return partials[0] if len(partials) == 1 else merge(partials)
+    def step() -> torch.Tensor:
+        return attention(q, None, seq_starts, streams, scale)
 
     ms = time_ms(step, grid.iterations, device)
     vectors = batch * sum(length for length, _, _ in layout)
     note = "torch"
     if use_triton:  # the torch path gathers fp32 copies: check only where they stay small
         checked = vectors <= CHECKED_VECTORS
-        note = f"rel err {kernel_error(step, streams, q, scale):.1e}" if checked else ""
+        note = f"rel err {kernel_error(step(), streams, q, scale):.1e}" if checked else ""
     method = method_name(name, compressed, grid)
     return Row(method, batch, context, ms, kv_bytes(fmt, shape, vectors), note)
 
@@ -213,16 +211,13 @@ CHECKED_VECTORS = 32 * 32768
 
 
 def kernel_error(
-    step: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    streams: list[PagedStream],
-    q: torch.Tensor,
-    scale: float,
+    out: torch.Tensor, streams: list[PagedStream], q: torch.Tensor, scale: float
 ) -> float:
     """||triton - torch|| / ||torch|| of the decode output on the GPU: the kernels' check on
     real hardware (the test suite runs them under the interpreter only)."""
-    partials = [decode_attention_torch(q, stream, scale) for stream in streams]
-    expected = partials[0] if len(partials) == 1 else merge_attention_ref(partials)
-    return float((step()[0] - expected[0]).norm() / expected[0].norm())
+    seq_starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    expected = cache_attention_torch(q, None, seq_starts, streams, scale)
+    return float((out - expected).norm() / expected.norm())
 
 
 def measure_sdpa(batch: int, context: int, shape: Shape, grid: Grid, device: str) -> Row:

@@ -1,26 +1,23 @@
 """The two implementations of the cache operations: Triton kernels or their torch references.
 
-`torch` runs torch ops (the CPU default): the references for writes, compression and merging,
-and the batched torch attention (kernels/attention_torch.py, checked against the per-sequence
-reference). `triton` runs the kernels (GPU, or the CPU under TRITON_INTERPRET=1 for tests).
-Both share signatures, so the cache code is the same.
+`torch` runs torch ops (the CPU default): the references for writes and compression, and
+attention over all of a sequence's streams in one fused SDPA call (kernels/attention_torch.py,
+checked against the per-stream references merged by log-sum-exp). `triton` runs the kernels
+(GPU, or the CPU under TRITON_INTERPRET=1 for tests): one attention launch per stream, then the
+merge kernel. Both share signatures, so the cache code is the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.attention import PagedStream, stream_attention
 from kernels.attention_decode import decode_attention
-from kernels.attention_merge import merge_attention, merge_attention_ref
-from kernels.attention_torch import (
-    decode_attention_torch,
-    single_stream_attention_torch,
-    stream_attention_torch,
-)
+from kernels.attention_merge import merge_attention
+from kernels.attention_torch import cache_attention_torch
 from kernels.cache_write import write_kv, write_kv_ref
 from kernels.compress import compress_blocks, compress_blocks_ref
 from runtime.errors import ConfigError
@@ -29,45 +26,34 @@ from runtime.errors import ConfigError
 @dataclass(frozen=True)
 class CacheOps:
     write_kv: Callable
-    stream_attention: Callable
-    decode_attention: Callable
-    merge_attention: Callable
     compress_blocks: Callable
-    # Attention when one stream is each sequence's whole cache (no LSE to merge); positions
-    # None = decode.
-    single_stream_attention: Callable
+    # fp32 [Nq, Hq, D] of packed queries over a list of streams that together are each
+    # sequence's cache; positions None = decode.
+    attention: Callable
 
 
-def single_stream_attention_triton(
+def cache_attention_triton(
     q: torch.Tensor,
     q_positions: torch.Tensor | None,
     q_seq_starts: torch.Tensor,
-    stream: PagedStream,
+    streams: Sequence[PagedStream],
     scale: float,
     max_q_len: int | None = None,
 ) -> torch.Tensor:
+    """One kernel launch per stream; several streams' partials merged by log-sum-exp."""
     if q_positions is None:
-        return decode_attention(q, stream, scale)[0]
-    return stream_attention(q, q_positions, q_seq_starts, stream, scale, max_q_len)[0]
+        partials = [decode_attention(q, stream, scale) for stream in streams]
+    else:
+        partials = [
+            stream_attention(q, q_positions, q_seq_starts, stream, scale, max_q_len)
+            for stream in streams
+        ]
+    return partials[0][0] if len(partials) == 1 else merge_attention(partials)[0]
 
 
 BACKENDS: dict[str, CacheOps] = {
-    "torch": CacheOps(
-        write_kv_ref,
-        stream_attention_torch,
-        decode_attention_torch,
-        merge_attention_ref,
-        compress_blocks_ref,
-        single_stream_attention_torch,
-    ),
-    "triton": CacheOps(
-        write_kv,
-        stream_attention,
-        decode_attention,
-        merge_attention,
-        compress_blocks,
-        single_stream_attention_triton,
-    ),
+    "torch": CacheOps(write_kv_ref, compress_blocks_ref, cache_attention_torch),
+    "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton),
 }
 
 

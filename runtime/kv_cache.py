@@ -3,8 +3,8 @@
 Per layer: a main pool in the layer's K and V formats (quantized tokens and CSA summaries) and,
 when recent_unquantized > 0, an fp16 pool for the most recent tokens. A sequence's cache is up
 to five streams (sinks and window, each split into main and recent blocks, plus summaries);
-attention runs over each stream and merges the partial results by log-sum-exp, which is one
-softmax over all of them (DESIGN.md section 3).
+attention is one softmax over all of them (DESIGN.md section 3): the Triton backend attends each
+stream and merges the partial results by log-sum-exp, the torch backend concatenates them.
 """
 
 from __future__ import annotations
@@ -200,20 +200,9 @@ class KVCache:
             for spec in layout.streams
         ]
         positions = None if layout.decode_only else layout.q_positions
-        if len(streams) == 1:
-            out = self.ops.single_stream_attention(
-                q, positions, layout.q_seq_starts, streams[0], scale, layout.max_q_len
-            )
-            return out.to(q.dtype)
-        partials = [
-            self.ops.decode_attention(q, stream, scale)
-            if layout.decode_only
-            else self.ops.stream_attention(
-                q, positions, layout.q_seq_starts, stream, scale, layout.max_q_len
-            )
-            for stream in streams
-        ]
-        out, _ = self.ops.merge_attention(partials)
+        out = self.ops.attention(
+            q, positions, layout.q_seq_starts, streams, scale, layout.max_q_len
+        )
         return out.to(q.dtype)
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:

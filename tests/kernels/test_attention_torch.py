@@ -5,18 +5,21 @@ import torch
 
 from kernels.attention import stream_attention_ref
 from kernels.attention_decode import decode_attention_ref
+from kernels.attention_merge import merge_attention_ref
 from kernels.attention_torch import (
+    cache_attention_torch,
     decode_attention_torch,
-    single_stream_attention_torch,
     stream_attention_torch,
 )
 from tests.kernels.test_attention import (
+    CSA_FORMATS,
     FORMATS,
     LENGTHS,
     SHAPES,
     assert_close,
     assert_matches_sdpa,
     build_stream,
+    csa_streams,
     extend_queries,
 )
 
@@ -48,8 +51,36 @@ def test_batched_torch_attention_matches_reference(
     decode_reference = decode_attention_ref(decode_q, case.stream, scale)
     assert_close(decode_attention_torch(decode_q, case.stream, scale), decode_reference)
     # Without the log-sum-exp (one stream is the whole cache): fused SDPA, same outputs.
-    single = single_stream_attention_torch(q, q_positions, q_seq_starts, case.stream, scale)
+    single = cache_attention_torch(q, q_positions, q_seq_starts, [case.stream], scale)
     assert (single - result[0]).norm() <= 1e-5 * result[0].norm()
     seq_starts = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
-    single_decode = single_stream_attention_torch(decode_q, None, seq_starts, case.stream, scale)
+    single_decode = cache_attention_torch(decode_q, None, seq_starts, [case.stream], scale)
     assert (single_decode - decode_reference[0]).norm() <= 1e-5 * decode_reference[0].norm()
+
+
+@pytest.mark.parametrize("formats", CSA_FORMATS, ids=["fp32", "mixed"])
+def test_whole_cache_attention_equals_the_merged_streams(formats):
+    """One SDPA over sinks, summaries (biased), window and recent == per-stream references
+    merged by log-sum-exp, for prefill queries (one sees nothing) and decode."""
+    totals = [3, 20, 61, 0]
+    cases = csa_streams(totals, formats)
+    streams = [case.stream for case in cases]
+    generator = torch.Generator().manual_seed(7)
+    q_lens = [3, 6, 8, 2]
+    q = torch.randn(sum(q_lens), 6, 64, generator=generator)
+    q_positions = torch.cat(
+        [torch.arange(total - n, total) for total, n in zip(totals, q_lens, strict=True)]
+    ).to(torch.int32)
+    q_seq_starts = torch.tensor([0, 3, 9, 17, 19], dtype=torch.int32)
+    expected, _ = merge_attention_ref(
+        [stream_attention_ref(q, q_positions, q_seq_starts, s, 0.125) for s in streams]
+    )
+    actual = cache_attention_torch(q, q_positions, q_seq_starts, streams, 0.125)
+    assert (actual - expected).norm() <= 1e-5 * expected.norm()
+    assert torch.all(actual[17:] == 0)  # an empty cache: no key to see
+
+    q_decode = torch.randn(4, 6, 64, generator=generator)
+    expected, _ = merge_attention_ref([decode_attention_ref(q_decode, s, 0.125) for s in streams])
+    seq_starts = torch.arange(5, dtype=torch.int32)
+    actual = cache_attention_torch(q_decode, None, seq_starts, streams, 0.125)
+    assert (actual - expected).norm() <= 1e-5 * expected.norm()
