@@ -7,7 +7,8 @@ and about 2.5x the samples; `--heldout full` for the larger one, hours on CPU). 
 both retentions with their paired-bootstrap standard errors, greedy exact-match retention and
 KL divergence on each, and Spearman rank correlations between the suites (target >= 0.9 for
 accuracy retention). Each (policy, suite) result is cached under
-<kvtune cache>/eval-validity, so an interrupted run resumes where it stopped.
+<kvtune cache>/eval-validity, keyed also by the source of the code that computes it, so an
+interrupted run resumes where it stopped and a code change never serves a stale row.
 
     .venv/bin/python -m benchmarks.eval_validity [--cheap quick] [--heldout heldout]
         [--policies "fp16,fp8,..."] [--markdown]
@@ -16,8 +17,10 @@ accuracy retention). Each (policy, suite) result is cached under
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,9 +67,25 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ranks(np.asarray(a)), ranks(np.asarray(b)))[0, 1])
 
 
+# The packages whose code decides an evaluation's numbers.
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+EVALUATION_SOURCES = ("kernels", "runtime", "autotune/evaluation")
+
+
+def source_fingerprint() -> str:
+    """SHA-256 prefix of every Python file under EVALUATION_SOURCES (paths and contents)."""
+    digest = hashlib.sha256()
+    for package in EVALUATION_SOURCES:
+        for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(PROJECT_ROOT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def cached_evaluate(policy: KVPolicy, suite: EvalSuite, cache: JsonCache) -> dict:
-    """evaluate(), read from the cache when this policy already ran on this suite."""
+    """evaluate(), read from the cache when this policy already ran on this suite and code."""
     key = {
+        "code": source_fingerprint(),
         "suite": suite.run_fingerprint(),
         "data": suite.data_fingerprint(),
         "policy": policy.to_dict(),
