@@ -6,8 +6,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import lm_eval
 from lm_eval.api.model import LM
+from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
 
 from autotune.evaluation.task_files import TaskFolder
@@ -24,17 +24,20 @@ class TaskRun:
 
 
 def run_tasks(lm: LM, folder: TaskFolder) -> dict[str, TaskRun]:
-    """Every task of the folder through `lm_eval.simple_evaluate` (zero-shot, no stderr
-    bootstrap: scoring.py computes its own)."""
+    """Every task of the folder through lm-eval (zero-shot, no stderr bootstrap: scoring.py
+    computes its own).
+
+    lm-eval's `evaluate`, not `simple_evaluate`: the latter also records the environment
+    (torch's collect_env runs pip and nvidia-smi, ~0.8 s a trial) and shells out to git, which
+    prints "fatal: not a git repository" when kvtune runs outside a checkout.
+    """
     manager = TaskManager(include_path=str(folder.path), include_defaults=False)
     names = {folder.lm_eval_name(task): task for task in folder.rows}
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(names),
-        task_manager=manager,
-        bootstrap_iters=0,
-        log_samples=True,
-    )
+    loaded = manager.load(list(names))
+    for task in loaded["tasks"].values():
+        if task.get_config("num_fewshot") is None:
+            task.set_config(key="num_fewshot", value=0)
+    results = evaluate(lm=lm, task_dict=loaded, bootstrap_iters=0, log_samples=True)
     if results is None:
         raise RuntimeError("lm-eval returned no results")
     runs = {}
