@@ -2,9 +2,9 @@
 
 `kernels.attention.paged_attention_ref` is the readable oracle (one sequence at a time); this
 computes the same result for every sequence at once: gather the stream's vectors for all
-sequences (padded to the longest) and dequantize them in one call. Per stream (out, lse) by two
-batched matmuls, with the Triton launchers' signatures; over a whole cache (every stream of a
-sequence) by one fused SDPA call, which the runtime uses.
+sequences (padded to the longest), dequantize them in one call, and attend over every stream of
+a sequence's cache with one fused SDPA call. The Triton launchers attend stream by stream and
+merge by log-sum-exp; this needs no log-sum-exp, so it never materialises the logits.
 """
 
 from __future__ import annotations
@@ -99,64 +99,6 @@ def _additive_mask(visible: torch.Tensor, logit_bias: float) -> torch.Tensor:
     )
 
 
-def _group_attention(
-    q: torch.Tensor, group: _QueryGroup, gathered: _GroupKeys, logit_bias: float, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out fp32 [S, C, Hq, D] and lse [S, C, Hq] of one group over one stream."""
-    num_seqs, width = group.rows.shape
-    num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads = gathered.keys.shape[2]
-    heads_per_kv = num_q_heads // num_kv_heads
-    max_len = gathered.keys.shape[1]
-    # [S, Hkv, C * G, D] x [S, Hkv, D, L]: every query head of a KV head in one matmul.
-    queries = q[group.rows].float().view(num_seqs, width, num_kv_heads, heads_per_kv, head_dim)
-    queries = queries.permute(0, 2, 1, 3, 4).reshape(
-        num_seqs, num_kv_heads, width * heads_per_kv, head_dim
-    )
-    logits = queries @ gathered.keys.permute(0, 2, 3, 1)
-    # Additive mask [S, 1, C, 1, L], shared by every head; logits become [S, Hkv, C, G, L].
-    bias = _additive_mask(gathered.visible, logit_bias)
-    logits = logits.view(num_seqs, num_kv_heads, width, heads_per_kv, max_len).mul_(scale)
-    logits.add_(bias[:, None, :, None, :])
-    lse = torch.logsumexp(logits, dim=-1)
-    # A query that sees no key has lse -inf: its weights exp(-inf - 0) are 0, not NaN.
-    weights = logits.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_()
-    weights = weights.view(num_seqs, num_kv_heads, width * heads_per_kv, max_len)
-    out = (weights @ gathered.values.permute(0, 2, 1, 3)).view(
-        num_seqs, num_kv_heads, width, heads_per_kv, head_dim
-    )
-    # [S, Hkv, C, G, ...] -> [S, C, Hq, ...]
-    out = out.permute(0, 2, 1, 3, 4).reshape(num_seqs, width, num_q_heads, head_dim)
-    return out, lse.permute(0, 2, 1, 3).reshape(num_seqs, width, num_q_heads)
-
-
-def paged_attention_torch(
-    q: torch.Tensor,
-    q_positions: torch.Tensor | None,
-    q_seq_starts: torch.Tensor,
-    stream: PagedStream,
-    scale: float,
-    max_q_len: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """out fp32 [Nq, Hq, D], lse fp32 [Nq, Hq] of packed queries over one stream.
-
-    q_positions None means no causal mask (decode: the query follows every key). max_q_len
-    only matters to the Triton launch; it is accepted for the same signature.
-    """
-    num_tokens, num_q_heads, head_dim = q.shape
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.full((num_tokens, num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
-    for group in _query_groups(q_seq_starts):
-        gathered = _group_keys(stream, group, q_positions)
-        if gathered is None:
-            continue
-        group_out, group_lse = _group_attention(q, group, gathered, stream.logit_bias, scale)
-        rows = group.rows.flatten()
-        out[rows] = group_out.flatten(0, 1)
-        lse[rows] = group_lse.flatten(0, 1)
-    return out, lse
-
-
 def cache_attention_torch(
     q: torch.Tensor,
     q_positions: torch.Tensor | None,
@@ -193,23 +135,3 @@ def cache_attention_torch(
         # A sequence without visible keys yields NaN from SDPA; its output stays 0.
         out[group.rows.flatten()] = group_out.flatten(0, 1).nan_to_num(0.0)
     return out
-
-
-def stream_attention_torch(
-    q: torch.Tensor,
-    q_positions: torch.Tensor,
-    q_seq_starts: torch.Tensor,
-    stream: PagedStream,
-    scale: float,
-    max_q_len: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `kernels.attention.stream_attention` (causal prefill / extend)."""
-    return paged_attention_torch(q, q_positions, q_seq_starts, stream, scale, max_q_len)
-
-
-def decode_attention_torch(
-    q: torch.Tensor, stream: PagedStream, scale: float, num_splits: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `kernels.attention_decode.decode_attention` (num_splits is unused)."""
-    seq_starts = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return paged_attention_torch(q, None, seq_starts, stream, scale, max_q_len=1)
