@@ -13,6 +13,7 @@ overshoot it, and each waits for in-flight trials before it returns.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import time
 import warnings
@@ -41,6 +42,11 @@ RECIPE_ATTR = "recipe"
 FAILURE_ATTR = "failure_reason"
 SURPLUS_ATTR = "surplus"
 POLL_SECONDS = 2.0
+STARTED_ATTR = "started"
+# A RUNNING trial that never reached the objective this long after Optuna handed it out is an
+# orphan: its worker died between `ask` and the first heartbeat. Optuna's fail_stale_trials
+# skips trials without a heartbeat, so without this the study would wait on it forever.
+ORPHAN_AFTER_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,7 @@ class TrialObjective:
         return len(earlier) >= self.n_trials
 
     def __call__(self, trial: optuna.Trial) -> list[float]:
+        trial.set_user_attr(STARTED_ATTR, True)  # alive past the heartbeat's start: not an orphan
         if self._is_surplus(trial):
             trial.set_user_attr(SURPLUS_ATTR, True)
             raise optuna.TrialPruned("another worker filled the trial budget first")
@@ -268,17 +275,42 @@ class TrialObjective:
         return [metrics[name] for name in self.objectives]
 
 
+def fail_orphaned_trials(study: optuna.Study, orphan_after_s: float = ORPHAN_AFTER_S) -> None:
+    """Fail each orphan (see ORPHAN_AFTER_S) and queue a retry that keeps the parameters it was
+    given (a warm start's fixed ones included), as Optuna's stale-trial retry does."""
+    now = datetime.datetime.now()
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        started = trial.datetime_start or now
+        if STARTED_ATTR in trial.user_attrs or (now - started).total_seconds() < orphan_after_s:
+            continue
+        try:
+            study.tell(trial.number, state=TrialState.FAIL)
+        except ValueError:  # its worker was alive after all and finished it meanwhile
+            continue
+        logger.warning("trial %d never started (worker lost): failed, retried", trial.number)
+        fixed = {**trial.system_attrs.get("fixed_params", {}), **trial.params}
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=TrialState.WAITING,
+                user_attrs=trial.user_attrs,
+                system_attrs={"failed_trial": trial.number, "fixed_params": fixed},
+            )
+        )
+
+
 def run_trials(
     study: optuna.Study,
     objective: TrialObjective,
     n_trials: int,
     callbacks: Sequence[Callable[[optuna.Study, FrozenTrial], None]] = (),
+    orphan_after_s: float = ORPHAN_AFTER_S,
 ) -> None:
     """Run trials until the budget is used, then wait for other workers' trials in flight."""
     while True:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
             fail_stale_trials(study)
+        fail_orphaned_trials(study, orphan_after_s)
         budget = [t for t in study.get_trials(deepcopy=False) if counted(t)]
         waiting = any(t.state == TrialState.WAITING for t in budget)
         if len(budget) < n_trials or waiting:

@@ -3,6 +3,8 @@
 The objective is tests/autotune/analytic_study.py's formula, so outcomes are known exactly.
 """
 
+import threading
+
 import optuna
 import pytest
 from optuna.trial import TrialState
@@ -137,3 +139,28 @@ def test_grid_refuses_a_space_too_large_to_enumerate():
     config = SearchConfig.from_dict(SEARCH, ModelArch("big", 12, 4, 2, 16, 1 << 20, 4096))
     with pytest.raises(ConfigError, match="study.sampler"):
         check_sampler(StudySettings(name="g", sampler="grid"), config, 12)
+
+
+def test_a_trial_whose_worker_died_before_its_heartbeat_is_failed_and_retried(tmp_path):
+    """A worker killed between Optuna's ask and the first heartbeat leaves a RUNNING trial that
+    fail_stale_trials never fails; the study must not wait on it forever."""
+    settings, study = new_study(tmp_path)
+    enqueue_warm_starts(study, search_space(), 1)
+    orphan = study.ask()  # taken, never started: no heartbeat, no objective
+    finished = threading.Event()
+
+    def run() -> None:
+        run_trials(study, objective(n_trials=3), 3, orphan_after_s=0.0)
+        finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert finished.wait(timeout=120), "the study waited on the orphaned trial"
+    trials = study.get_trials()
+    assert trials[orphan.number].state == TrialState.FAIL
+    assert FAILURE_ATTR not in trials[orphan.number].user_attrs  # not counted: lost, not refused
+    retries = [t for t in trials if t.system_attrs.get("failed_trial") == orphan.number]
+    assert len(retries) == 1 and retries[0].state == TrialState.COMPLETE
+    assert retries[0].user_attrs["warm_start"] == "baseline"
+    assert retries[0].params == study.trials[orphan.number].system_attrs["fixed_params"]
+    budget = [t for t in trials if counted(t)]
+    assert len(budget) == 3 and all(t.state == TrialState.COMPLETE for t in budget)
