@@ -134,12 +134,14 @@ def test_a_killed_worker_trial_is_retried_and_the_study_completes(
     postgres, tiny_study_args, tmp_path, kvtune_cache
 ):
     worker_args = create_study("killed", postgres, tiny_study_args, tmp_path, kvtune_cache)
+    # An empty cache of its own: the victim measures its trial (seconds) instead of answering it
+    # from the shared cache in milliseconds, so the SIGKILL lands while the trial runs.
     victim = start_kvtune(
         "worker",
         *worker_args,
         "study.n_trials=3",
         cwd=tmp_path,
-        cache=kvtune_cache,
+        cache=tmp_path / "victim-cache",
         log=tmp_path / "victim.log",
     )
     storage = optuna.storages.RDBStorage(postgres["optuna"])
