@@ -17,6 +17,7 @@ interrupted run resumes where it stopped and a code change never serves a stale 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import os
 import time
@@ -72,8 +73,10 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 EVALUATION_SOURCES = ("kernels", "runtime", "autotune/evaluation")
 
 
+@functools.cache
 def source_fingerprint() -> str:
-    """SHA-256 prefix of every Python file under EVALUATION_SOURCES (paths and contents)."""
+    """SHA-256 prefix of every Python file under EVALUATION_SOURCES (paths and contents); read
+    once a run, as the running code cannot change under it."""
     digest = hashlib.sha256()
     for package in EVALUATION_SOURCES:
         for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
