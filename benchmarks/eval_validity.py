@@ -28,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotune.eval_cache import JsonCache, default_cache_folder
+from autotune.cache import JsonCache, default_cache_folder
 from autotune.evaluation import EvalSuite, evaluate, load_suite
 from runtime.policy import KVPolicy
 

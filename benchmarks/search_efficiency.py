@@ -32,16 +32,16 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from autotune.eval_cache import JsonCache, default_cache_folder, model_fingerprint
-from autotune.search_space import SearchConfig, SearchSpace, canonical
-from autotune.sensitivity import (
+from autotune.cache import JsonCache, default_cache_folder, model_fingerprint
+from autotune.search.sensitivity import (
     RuntimeSettings,
     exact_runtime,
     group_layers,
     layer_sensitivity,
     mean_kl,
 )
-from autotune.study import StudySettings, make_sampler
+from autotune.search.space import SearchConfig, SearchSpace, canonical
+from autotune.study.optuna_study import StudySettings, make_sampler
 from runtime.arch import ModelArch, arch_from_folder
 from runtime.kv_bytes import kv_bytes_per_sequence
 from runtime.model_source import resolve_model

@@ -6,9 +6,9 @@ end to end by test_tune_cli.py and test_workers_postgres.py."""
 
 import optuna
 
-from autotune.objectives import Constraints, TrialFailure
-from autotune.search_space import SearchConfig, SearchSpace
-from autotune.study import (
+from autotune.search.space import SearchConfig, SearchSpace
+from autotune.study.objectives import Constraints, TrialFailure
+from autotune.study.optuna_study import (
     StudySettings,
     TrialObjective,
     create_or_resume,

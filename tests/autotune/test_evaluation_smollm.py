@@ -21,7 +21,7 @@ from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
 from runtime.tokenizer import Tokenizer
 
-KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli import main; sys.exit(main())"]
+KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
 # Small and seeded: every QA task, long enough that the KV cache carries the answer.
 SMALL = {
     "name": "small",

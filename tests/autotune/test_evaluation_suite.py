@@ -159,7 +159,7 @@ def test_token_batches_bound_the_tokens_of_a_call():
 def test_evaluate_table_fits_an_80_column_terminal_without_truncation():
     from rich.console import Console
 
-    from autotune.evaluate_command import render_result
+    from autotune.cli.evaluate import render_result
 
     qa = {
         "metric": "answer_probability",

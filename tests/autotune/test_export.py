@@ -3,7 +3,8 @@
 import pytest
 import yaml
 
-from autotune.export import (
+from autotune.config.settings import ServeSettings
+from autotune.export.engines import (
     MAX_ENGINE_SEQS,
     layer_levels,
     sglang_args,
@@ -11,8 +12,7 @@ from autotune.export import (
     vllm_config,
     vllm_mapping,
 )
-from autotune.results import TrialRecord, pareto_front, pick_trial
-from autotune.settings import ServeSettings
+from autotune.study.results import TrialRecord, pareto_front, pick_trial
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
 from runtime.kv_bytes import kv_bytes_per_sequence

@@ -9,7 +9,7 @@ import pytest
 
 from runtime.arch import GIB
 
-KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli import main; sys.exit(main())"]
+KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
 
 
 def kvtune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

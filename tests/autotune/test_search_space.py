@@ -3,8 +3,8 @@
 import optuna
 import pytest
 
-from autotune.search_space import SearchConfig, SearchSpace, canonical
-from autotune.sensitivity import group_layers
+from autotune.search.sensitivity import group_layers
+from autotune.search.space import SearchConfig, SearchSpace, canonical
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.kv_bytes import kv_bytes_per_sequence

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from autotune.eval_cache import JsonCache
-from autotune.sensitivity import (
+from autotune.cache import JsonCache
+from autotune.search.sensitivity import (
     PROFILE_TEXT,
     RuntimeSettings,
     layer_sensitivity,

@@ -9,8 +9,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.search_space import SearchConfig
-from autotune.study import (
+from autotune.search.space import SearchConfig
+from autotune.study.optuna_study import (
     FAILURE_ATTR,
     SAMPLERS,
     StudySettings,

@@ -6,7 +6,7 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from autotune.results import pick_trial, trial_records
+from autotune.study.results import pick_trial, trial_records
 from runtime.policy import KVPolicy
 from tests.autotune.conftest import run_kvtune
 

@@ -28,9 +28,9 @@ from optuna.samplers import BaseSampler
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.objectives import Constraints, TrialFailure, directions
-from autotune.recipe import recipe_differences
-from autotune.search_space import SearchConfig, SearchSpace
+from autotune.search.space import SearchConfig, SearchSpace
+from autotune.study.objectives import Constraints, TrialFailure, directions
+from autotune.study.recipe import recipe_differences
 from runtime.errors import ConfigError
 from runtime.policy import KVPolicy
 

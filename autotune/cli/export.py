@@ -13,11 +13,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 from rich.console import Console
 
-from autotune.export import write_export
-from autotune.recipe import build_setup, plain
-from autotune.results import TRIAL_PICK, pick_trial, trial_records
-from autotune.settings import build_device
-from autotune.study import StudySettings, load_recipe, open_storage
+from autotune.config.settings import build_device
+from autotune.export.engines import write_export
+from autotune.study.optuna_study import StudySettings, load_recipe, open_storage
+from autotune.study.recipe import build_setup, plain
+from autotune.study.results import TRIAL_PICK, pick_trial, trial_records
 from runtime.errors import ConfigError
 
 

@@ -16,17 +16,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from autotune.eval_cache import JsonCache
-from autotune.objectives import Constraints, TrialContext, parse_objectives
-from autotune.search_space import ALL_LAYERS, SearchConfig, SearchSpace
-from autotune.sensitivity import RuntimeSettings, group_layers, layer_sensitivity
-from autotune.settings import (
+from autotune.cache import JsonCache
+from autotune.config.settings import (
     DeviceSpec,
     ServeSettings,
     build_device,
     build_model_arch,
 )
-from autotune.workload import Workload
+from autotune.config.workload import Workload
+from autotune.search.sensitivity import RuntimeSettings, group_layers, layer_sensitivity
+from autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
+from autotune.study.objectives import Constraints, TrialContext, parse_objectives
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.model_source import resolve_model

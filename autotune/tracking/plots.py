@@ -14,7 +14,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import plotly.graph_objects as go  # noqa: E402
 
-from autotune.results import TrialRecord, policy_columns  # noqa: E402
+from autotune.study.results import TrialRecord, policy_columns  # noqa: E402
 
 FRONT, FEASIBLE, INFEASIBLE = "Pareto front", "feasible", "infeasible"
 COLORS = {FRONT: "#d62728", FEASIBLE: "#1f77b4", INFEASIBLE: "#9a9a9a"}

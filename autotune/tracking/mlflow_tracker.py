@@ -23,9 +23,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.plots import pareto_html, pareto_png
-from autotune.results import TrialRecord, policy_columns, write_trials_csv
-from autotune.study import FAILURE_ATTR, SURPLUS_ATTR
+from autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR
+from autotune.study.results import TrialRecord, policy_columns, write_trials_csv
+from autotune.tracking.plots import pareto_html, pareto_png
 from runtime.policy import KVPolicy
 
 logger = logging.getLogger(__name__)

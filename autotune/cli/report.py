@@ -10,8 +10,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autotune.results import TrialRecord
-from autotune.study import counted
+from autotune.study.optuna_study import counted
+from autotune.study.results import TrialRecord
 
 MIB = 1 << 20
 

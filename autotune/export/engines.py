@@ -21,11 +21,11 @@ from typing import Any
 
 import yaml
 
-from autotune.objectives import capacity_metrics
-from autotune.plan import CapacityRow, build_plan, capacity_row, kv_budget_bytes
-from autotune.recipe import TuneSetup
-from autotune.results import TrialRecord, metric_table
-from autotune.settings import DeviceSpec, ServeSettings
+from autotune.config.settings import DeviceSpec, ServeSettings
+from autotune.planning.capacity import CapacityRow, build_plan, capacity_row, kv_budget_bytes
+from autotune.study.objectives import capacity_metrics
+from autotune.study.recipe import TuneSetup
+from autotune.study.results import TrialRecord, metric_table
 from runtime.arch import ModelArch
 from runtime.policy import PER_TENSOR, KVPolicy
 

@@ -16,8 +16,8 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
-from autotune.objectives import MAXIMIZE, METRICS
-from autotune.study import FAILURE_ATTR, SURPLUS_ATTR
+from autotune.study.objectives import MAXIMIZE, METRICS
+from autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR
 from runtime.arch import GIB
 from runtime.errors import ConfigError
 from runtime.policy import KVPolicy

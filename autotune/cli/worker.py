@@ -13,9 +13,9 @@ import os
 from omegaconf import DictConfig
 from rich.console import Console
 
-from autotune.recipe import build_setup, plain
-from autotune.study import StudySettings, check_sampler, load_recipe, open_storage
-from autotune.tune_command import N_TRIALS_ATTR, SAMPLER_ATTR, Services, quiet_libraries, run_study
+from autotune.cli.tune import N_TRIALS_ATTR, SAMPLER_ATTR, Services, quiet_libraries, run_study
+from autotune.study.optuna_study import StudySettings, check_sampler, load_recipe, open_storage
+from autotune.study.recipe import build_setup, plain
 from runtime.errors import ConfigError
 
 # Worker samplers draw from their own seed so that parallel workers do not propose alike.

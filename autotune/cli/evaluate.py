@@ -20,7 +20,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from autotune.settings import build_policy
+from autotune.config.settings import build_policy
 from runtime.errors import ConfigError
 
 FORMATS = ("table", "json")

@@ -4,7 +4,7 @@ Order of work: validate every setting (one ConfigError line, nothing loaded), op
 storage and the MLflow experiment, resolve the layer groups (the sensitivity profile, cached
 per model), queue the warm starts, run trials with a progress bar, then tag the Pareto front,
 attach the study's artifacts to the MLflow parent run and print the front as a table.
-`kvtune worker` runs the same loop on an existing study (autotune/worker_command.py).
+`kvtune worker` runs the same loop on an existing study (autotune/cli/worker.py).
 """
 
 from __future__ import annotations
@@ -23,12 +23,10 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from autotune.eval_cache import JsonCache, default_cache_folder
-from autotune.objectives import TrialEvaluator
-from autotune.recipe import TuneSetup, build_setup, plain, recipe_from_config
-from autotune.report import ProgressCallback, render_front, study_progress
-from autotune.results import pareto_front, trial_records
-from autotune.study import (
+from autotune.cache import JsonCache, default_cache_folder
+from autotune.cli.report import ProgressCallback, render_front, study_progress
+from autotune.study.objectives import TrialEvaluator
+from autotune.study.optuna_study import (
     StudySettings,
     TrialObjective,
     check_sampler,
@@ -38,7 +36,13 @@ from autotune.study import (
     open_storage,
     run_trials,
 )
-from autotune.tracking import StudyTracker, default_artifact_root, default_tracking_uri
+from autotune.study.recipe import TuneSetup, build_setup, plain, recipe_from_config
+from autotune.study.results import pareto_front, trial_records
+from autotune.tracking.mlflow_tracker import (
+    StudyTracker,
+    default_artifact_root,
+    default_tracking_uri,
+)
 from runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)

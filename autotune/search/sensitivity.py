@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autotune.eval_cache import JsonCache, key_digest, model_fingerprint
+from autotune.cache import JsonCache, key_digest, model_fingerprint
 from runtime.arch import ModelArch
 from runtime.llm import LLM
 from runtime.policy import KVPolicy

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.settings import DeviceSpec, ServeSettings
+from autotune.config.settings import DeviceSpec, ServeSettings
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
 from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token

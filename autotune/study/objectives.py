@@ -5,7 +5,7 @@ uncompressed baseline (per task and overall, from `autotune.evaluation`), KV byt
 sequence at the workload's context (the shared byte arithmetic), TTFT and TPOT measured on the
 runtime at the workload's batch and context, P99 latency of a seeded trace, how many such
 sequences fit on the target device, and the roofline decode time predicted for that device.
-Measured numbers are cached (autotune/eval_cache.py); arithmetic ones are recomputed, so the
+Measured numbers are cached (autotune/cache.py); arithmetic ones are recomputed, so the
 same cache serves every target device.
 """
 
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from autotune.eval_cache import JsonCache, model_fingerprint
+from autotune.cache import JsonCache, model_fingerprint
+from autotune.config.settings import DeviceSpec, ServeSettings
+from autotune.config.workload import Workload
 from autotune.evaluation import evaluate
-from autotune.latency import measure_latency
-from autotune.plan import kv_budget_bytes, max_num_seqs, predicted_decode_ms
-from autotune.sensitivity import RuntimeSettings
-from autotune.settings import DeviceSpec, ServeSettings
-from autotune.workload import Workload
+from autotune.planning.capacity import kv_budget_bytes, max_num_seqs, predicted_decode_ms
+from autotune.search.sensitivity import RuntimeSettings
+from autotune.study.latency import measure_latency
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
 from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autotune.workload import TraceRequest, Workload
+from autotune.config.workload import TraceRequest, Workload
 from runtime.llm import LLM
 from runtime.sequence import Sequence
 

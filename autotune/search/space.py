@@ -5,7 +5,7 @@ the pairings are checked statically (every chunk_size candidate a multiple of ev
 candidate, every csa_ratio <= every block_size, every csa_window >= every block_size), so a
 sampler can never draw an invalid combination and the space stays static (what TPE, GP and
 grid need). K and V dtypes are searched per layer group: groups come from the sensitivity
-profile (autotune/sensitivity.py), or one group a layer with `layer_groups: all`.
+profile (autotune/search/sensitivity.py), or one group a layer with `layer_groups: all`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from autotune.plan import CapacityPlan, CapacityRow
+from autotune.planning.capacity import CapacityPlan, CapacityRow
 from runtime.arch import GIB
 
 MIB = 1 << 20

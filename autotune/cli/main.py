@@ -16,16 +16,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
-from autotune.evaluate_command import evaluate_task
-from autotune.export_command import export_task, quote_pick
-from autotune.plan import build_plan
-from autotune.plan_report import plan_json, render_plan
-from autotune.settings import build_device, build_model_arch, build_policy, build_serve
-from autotune.tune_command import tune_task
-from autotune.worker_command import worker_task
+from autotune.cli.evaluate import evaluate_task
+from autotune.cli.export import export_task, quote_pick
+from autotune.cli.tune import tune_task
+from autotune.cli.worker import worker_task
+from autotune.config.settings import build_device, build_model_arch, build_policy, build_serve
+from autotune.planning.capacity import build_plan
+from autotune.planning.report import plan_json, render_plan
 from runtime.errors import ConfigError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 OUTPUT_FORMATS = ("table", "json")
 USAGE = """usage: kvtune <command> [key=value ...] [-m]
 
