@@ -198,6 +198,9 @@ def create_or_resume(
         directions=directions(objectives),
         load_if_exists=True,
     )
+    with warnings.catch_warnings():  # set_metric_names is "experimental" since 3.2
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        study.set_metric_names(list(objectives))  # dashboards label axes by name, not 0, 1, 2
     study.set_user_attr(RECIPE_ATTR, dict(recipe))
     return study
 
