@@ -74,3 +74,23 @@ def test_pareto_tags_are_refreshed_across_invocations(tmp_path):
     second.finish(records, front, OBJECTIVES, {}, "recipe: test\n")
     tags = {int(r.data.tags["trial_number"]): r.data.tags["pareto"] for r in second.trial_runs()}
     assert tags == {n: ("true" if n in front else "false") for n in range(6)}
+
+
+def test_experiment_opens_on_the_runs_table_with_a_description(tmp_path):
+    client, tracker, study, front = tracked_study(tmp_path, refuse_compression, 2)
+    tags = client.get_experiment_by_name("tracked").tags
+    # The value MLflow 3's UI reads to open the runs table ("Model training"), not GenAI traces.
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    note = tags["mlflow.note.content"]
+    assert "**tracked**" in note and "- sampler: `tpe`" in note and "Compare" in note
+
+
+def test_an_older_experiment_gets_the_tags_and_keeps_its_description(tmp_path):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    experiment_id = client.create_experiment("old", (tmp_path / "artifacts").as_uri())
+    client.set_experiment_tag(experiment_id, "mlflow.note.content", "written by a user")
+    StudyTracker(uri, tmp_path / "artifacts", "old", "tune", {}, 4)
+    tags = client.get_experiment(experiment_id).tags
+    assert tags["mlflow.experimentKind"] == "custom_model_development"
+    assert tags["mlflow.note.content"] == "written by a user"
