@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kernels.kv_format import QUANTIZED_DTYPES, KVFormat
+from kernels.kv_format import KVFormat
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 
@@ -171,8 +171,8 @@ class KVPolicy:
         """Refuse settings this model cannot hold (before its weights are loaded)."""
         pairs = self.layer_pairs(arch.num_layers)
         size = arch.cached_vector_size
-        quantized = any(d in QUANTIZED_DTYPES for pair in pairs for d in pair)
-        if quantized and isinstance(self.group_size, int) and size % self.group_size:
+        # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
+        if isinstance(self.group_size, int) and size % self.group_size:
             divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
             allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
             raise ConfigError(

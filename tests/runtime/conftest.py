@@ -30,7 +30,7 @@ def tiny_config(kind: str):
         num_hidden_layers=2,
         num_attention_heads=6,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=32,  # kvtune checks group_size (default 32) divides head_dim
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,

@@ -156,15 +156,16 @@ def test_batched_and_preempted_generation_equals_one_at_a_time(tiny_llama):
     prompts = [random_tokens(n, seed=n) for n in (40, 50, 35, 60)]
     alone = LLM(str(tiny_llama), policy=AUTO_CHUNKED, max_model_len=128, max_num_seqs=1)
     expected = [alone.generate([p], max_new_tokens=30)[0].token_ids for p in prompts]
-    # The minimum budget (25 blocks of 8 tokens at 512 B a token) holds about two of these
-    # sequences: continuous batching with preemptions and recomputation.
+    # The minimum budget (25 blocks of 8 tokens at 1 KiB a token: 2 layers x K,V x 2 heads x
+    # 32 dims x 4 B) holds about two of these sequences: continuous batching with preemptions
+    # and recomputation.
     tight = LLM(
         str(tiny_llama),
         policy=AUTO_CHUNKED,
         max_model_len=128,
         max_num_seqs=4,
         max_num_batched_tokens=64,
-        kv_budget_bytes=25 * 8 * 512,
+        kv_budget_bytes=25 * 8 * 1024,
     )
     results = tight.generate(prompts, max_new_tokens=30)
     assert [r.token_ids for r in results] == expected

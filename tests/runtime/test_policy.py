@@ -56,8 +56,10 @@ def test_group_size_must_divide_the_models_head_dim():
         KVPolicy(k_dtype="fp8", group_size=48).check_model(SMOL)
     with pytest.raises(ConfigError, match=r"policy.group_size=128 .*head_dim=64"):
         KVPolicy(v_dtype="fp4", group_size=128).check_model(SMOL)
-    # Unquantized streams keep no scales: the group size does not apply to them.
-    KVPolicy(group_size=48).check_model(SMOL)
+    # Refused even when no stream is quantized: every field is checked every time.
+    with pytest.raises(ConfigError, match=r"policy.group_size=48 .*head_dim=64"):
+        KVPolicy(group_size=48).check_model(SMOL)
+    KVPolicy(group_size="tensor").check_model(SMOL)
 
 
 def test_layer_dtypes_need_one_pair_per_layer():
