@@ -10,10 +10,18 @@ from dataclasses import dataclass
 
 import torch
 
-ELEMENT_BITS: dict[str, int] = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "fp4": 4}
-QUANTIZED_DTYPES: tuple[str, ...] = ("fp8", "fp4")
+from kernels.element_formats import ELEMENT_FORMATS, ElementFormat
+
+QUANTIZED_DTYPES: tuple[str, ...] = tuple(ELEMENT_FORMATS)
+ELEMENT_BITS: dict[str, int] = {
+    "fp32": 32,
+    "fp16": 16,
+    "bf16": 16,
+    **{name: element.bits for name, element in ELEMENT_FORMATS.items()},
+}
 SCALE_BYTES: dict[str, int] = {"fp16": 2, "e4m3": 1}
-MAX_CODE: dict[str, float] = {"fp8": 448.0, "fp4": 6.0}
+# Scale dtypes that can hold a zero point (an E4M3 code has no room for a signed offset).
+ZERO_POINT_SCALE_DTYPES: tuple[str, ...] = ("fp16",)
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,
@@ -25,11 +33,18 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
 class KVFormat:
     """Storage format of one K or V stream.
 
-    dtype: fp32 | fp16 | bf16 (stored as is) or fp8 (E4M3) | fp4 (E2M1, two codes a byte:
-        element 2i in the low nibble, element 2i+1 in the high nibble).
-    group_size: elements along head_dim sharing one scale; None means one fp32 scale for the
-        whole tensor (per layer and per K/V, as vLLM's fp8 cache). Ignored when unquantized.
+    dtype: fp32 | fp16 | bf16 (stored as is), fp8 (E4M3) | fp4 (E2M1, two codes a byte:
+        element 2i in the low nibble, element 2i+1 in the high nibble), or the asymmetric
+        uniform int8 | int4 | int2 (unsigned codes packed the same way, a scale and a zero
+        point per group; see `kernels.element_formats`).
+    group_size: elements along head_dim sharing one scale (and zero point); None means one fp32
+        scale for the whole tensor (per layer and per K/V, as vLLM's fp8 cache), which the
+        integer formats refuse: they need a zero point per group. Ignored when unquantized.
     scale_dtype: fp16, or e4m3 (NVFP4-style: E4M3 group scales times an fp32 tensor scale).
+        Zero points are stored in the scale dtype, so the integer formats need fp16.
+
+    Stored per vector: codes, then the scales buffer holds the group scales [groups] followed,
+    for formats with a zero point, by the group zero points [groups].
     """
 
     dtype: str
@@ -45,20 +60,43 @@ class KVFormat:
             object.__setattr__(self, "group_size", None)
         elif self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"group_size={self.group_size!r}: must be a positive int or None")
+        elif self.zero_point and self.group_size is None:
+            raise ValueError(
+                f"group_size=None: {self.dtype} needs a group size (a zero point per group)"
+            )
+        if self.zero_point and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
+            raise ValueError(
+                f"scale_dtype={self.scale_dtype!r}: {self.dtype} stores zero points in the scale "
+                f"dtype; allowed {list(ZERO_POINT_SCALE_DTYPES)}"
+            )
 
     @property
     def quantized(self) -> bool:
         return self.dtype in QUANTIZED_DTYPES
 
     @property
+    def element(self) -> ElementFormat:
+        """The registered element code of a quantized format."""
+        return ELEMENT_FORMATS[self.dtype]
+
+    @property
+    def zero_point(self) -> bool:
+        """Whether each group stores a zero point beside its scale (asymmetric formats)."""
+        return self.quantized and self.element.zero_point
+
+    @property
     def max_code(self) -> float:
-        """Largest representable magnitude of the element code (448 for E4M3, 6 for E2M1)."""
-        return MAX_CODE[self.dtype]
+        """Largest code magnitude: 448 for E4M3, 6 for E2M1, 2^bits - 1 for the int formats."""
+        return self.element.max_code
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this format cannot store vectors of head_dim elements."""
-        if self.dtype == "fp4" and head_dim % 2:
-            raise ValueError(f"head_dim={head_dim}: fp4 packs two codes a byte, needs an even size")
+        per_byte = 8 // ELEMENT_BITS[self.dtype] if self.quantized else 1
+        if head_dim % per_byte:
+            raise ValueError(
+                f"head_dim={head_dim}: {self.dtype} packs {per_byte} codes a byte, "
+                f"needs a multiple of {per_byte}"
+            )
         if self.group_size is not None and head_dim % self.group_size:
             raise ValueError(f"group_size={self.group_size}: must divide head_dim={head_dim}")
 
@@ -67,13 +105,15 @@ class KVFormat:
         return head_dim * ELEMENT_BITS[self.dtype] // 8
 
     def scales_per_vector(self, head_dim: int) -> int:
-        """Number of stored group scales for one vector (0 for per-tensor or unquantized)."""
+        """Entries of the scales buffer for one vector: its group scales, and as many zero points
+        for asymmetric formats (0 for per-tensor or unquantized)."""
         if self.group_size is None:
             return 0
-        return head_dim // self.group_size
+        return head_dim // self.group_size * (2 if self.zero_point else 1)
 
     def vector_bytes(self, head_dim: int) -> int:
-        """Bytes one cached vector (one token, one head) costs: codes plus its group scales."""
+        """Bytes one cached vector (one token, one head) costs: codes plus its group scales and
+        zero points."""
         self.check_head_dim(head_dim)
         scale_bytes = self.scales_per_vector(head_dim) * SCALE_BYTES[self.scale_dtype]
         return self.code_bytes(head_dim) + scale_bytes
@@ -95,7 +135,7 @@ class KVFormat:
         device: torch.device | str = "cpu",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Allocate a paged pool: codes [blocks, block_size, heads, code width] and scales
-        [blocks, block_size, heads, groups] (None when the format keeps no group scales)."""
+        [blocks, block_size, heads, scales_per_vector] (None when the format keeps none)."""
         self.check_head_dim(head_dim)
         width = head_dim if not self.quantized else self.code_bytes(head_dim)
         codes = torch.zeros(

@@ -27,9 +27,11 @@ class KVPool:
     """One paged K or V pool, as `KVFormat.allocate` lays it out.
 
     codes: [num_blocks, block_size, num_heads, width] in fmt's code dtype (width = head_dim for
-        fp32/fp16/bf16, head_dim bytes for fp8, head_dim / 2 bytes for fp4).
-    scales: [num_blocks, block_size, num_heads, head_dim / group_size] fp16 or uint8 E4M3 group
-        scales, or None when fmt keeps none.
+        fp32/fp16/bf16, else head_dim * bits / 8 code bytes: fp8/int8 one a code, fp4/int4 two
+        codes a byte, int2 four).
+    scales: [num_blocks, block_size, num_heads, fmt.scales_per_vector] fp16 or uint8 E4M3 group
+        scales (followed by the group zero points for the integer formats), or None when fmt
+        keeps none.
     tensor_scale: positive fp32 one-element tensor multiplying every dequantized value of a
         quantized format (see `kernels.quantize`); None means 1.
     """
@@ -93,7 +95,7 @@ class KVPool:
     @property
     def head_dim(self) -> int:
         width = self.codes.shape[3]
-        return 2 * width if self.fmt.dtype == "fp4" else width
+        return width * self.fmt.element.per_byte if self.fmt.quantized else width
 
 
 def read_vectors_ref(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:

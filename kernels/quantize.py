@@ -1,11 +1,22 @@
 """Per-group quantization of K/V vectors to a `KVFormat`: Triton device helpers, launchers and
 torch references.
 
-One rule for every quantized format, in "tensor-scaled units" x_t = x / tensor_scale:
+One rule for every symmetric format (fp8, fp4), in "tensor-scaled units" x_t = x / tensor_scale:
 
     group scale s_g = round_to_scale_dtype(amax_g(|x_t|) / max_code)   (fp16, or E4M3 codes)
     code            = encode(x_t / s_g)                                 (all codes 0 when s_g == 0)
     value           = (decode(code) * s_g) * tensor_scale
+
+and one for the asymmetric uniform formats (int8, int4, int2; max_code = 2^bits - 1, fp16 only):
+
+    zero point z_g  = fp16(min_g(x_t))
+    group scale s_g = fp16(max(max_g(x_t) - z_g, 0) / max_code)
+    code            = round_half_even(clamp((x_t - z_g) / s_g, 0, max_code))   (0 when s_g == 0)
+    value           = (code * s_g + z_g) * tensor_scale
+
+code * s_g is exact in fp32 (at most 8 + 11 significant bits), so a fused multiply-add and a
+separate multiply and add give the same bits. Elements below z_g (min rounded up to fp16) land on
+code 0; the error of every element in [z_g, z_g + max_code * s_g] is at most s_g / 2.
 
 group_size None (per tensor) stores no group scales (s_g = 1): code = encode(x / tensor_scale).
 tensor_scale is an fp32 one-element tensor chosen by the caller (calibrated by the runtime); 1
@@ -17,6 +28,7 @@ for bit.
 Limit: a group scale below its dtype's normal range (fp16: amax_g / max_code < 2^-14, so amax_g
 < 0.027 for fp8 and < 3.7e-4 for fp4 at tensor_scale 1; E4M3: < 2^-6) keeps few significant
 bits, so such groups only promise an error below their amax. A tensor_scale < 1 moves the range.
+The integer formats need finite inputs with min, max and max - min within fp16 range.
 
 Device helpers for other kernels (cache writes, attention, compression) address a vector by
 (row, head) in a [rows, NUM_HEADS, width] buffer, which is how a paged pool
@@ -27,7 +39,9 @@ Device helpers for other kernels (cache writes, attention, compression) address 
     quantize_store_tile(codes_ptr, scales_ptr, tensor_scale_ptr, rows, head, mask, values,
                         NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
 
-`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 constexprs of a format.
+`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 constexprs of a format. A
+format with a zero point keeps it in the scales buffer, after the vector's group scales, so the
+helpers need no extra pointer.
 """
 
 from __future__ import annotations
@@ -36,24 +50,24 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import element_formats
 from kernels.fp_codes import (
     decode_e2m1,
     decode_e4m3,
     decode_e4m3_fast,
-    decode_packed_e2m1_fast,
     encode_e2m1,
-    encode_e2m1_fast,
     encode_e4m3,
     encode_e4m3_fast,
-    pack_e2m1_ref,
     round_to_bf16,
 )
+from kernels.int_codes import encode_uint
 from kernels.kv_format import KVFormat
 
-# Element code kinds, the CODE constexpr of the device helpers.
-CODE_FLOAT = tl.constexpr(0)
-CODE_E4M3 = tl.constexpr(1)
-CODE_E2M1 = tl.constexpr(2)
+# Element code kinds, the CODE constexpr of the device helpers (CODE_UINT + bits for integers).
+CODE_FLOAT = tl.constexpr(element_formats.CODE_FLOAT)
+CODE_E4M3 = tl.constexpr(element_formats.CODE_E4M3)
+CODE_E2M1 = tl.constexpr(element_formats.CODE_E2M1)
+CODE_UINT = tl.constexpr(element_formats.CODE_UINT)
 
 # fp32 elements one program handles in the quantize / dequantize launchers.
 TILE_ELEMENTS = 4096
@@ -62,12 +76,12 @@ TILE_ELEMENTS = 4096
 def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
-    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3 or CODE_E2M1; GROUP_SIZE: elements a
-    group scale covers, 0 for none; SCALE_E4M3: group scales are E4M3 codes, not fp16.
+    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1 or CODE_UINT + bits
+    (asymmetric integer codes with zero points); GROUP_SIZE: elements a group scale covers, 0
+    for none; SCALE_E4M3: group scales are E4M3 codes, not fp16.
     """
-    code = {"fp8": CODE_E4M3, "fp4": CODE_E2M1}.get(fmt.dtype, CODE_FLOAT)
     return {
-        f"{prefix}CODE": code.value,
+        f"{prefix}CODE": fmt.element.code if fmt.quantized else CODE_FLOAT.value,
         f"{prefix}GROUP_SIZE": fmt.group_size or 0,
         f"{prefix}SCALE_E4M3": fmt.quantized and fmt.scale_dtype == "e4m3",
     }
@@ -136,24 +150,38 @@ def load_dequant_tile(
         offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
         values = tl.load(codes_ptr + offsets, mask=dmask, other=0.0).to(tl.float32)
     else:
+        BITS: tl.constexpr = (
+            8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
+        )
+        PER_BYTE: tl.constexpr = 8 // BITS
+        offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + dims[None, :] // PER_BYTE
+        codes = tl.load(codes_ptr + offsets, mask=dmask, other=0)
+        if PER_BYTE > 1:
+            # Element i sits at bit (i % PER_BYTE) * BITS of byte i // PER_BYTE.
+            shifts = ((dims[None, :] % PER_BYTE) * BITS).to(tl.uint8)
+            codes = (codes >> shifts) & (2**BITS - 1)
         if CODE == CODE_E4M3:
-            offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
-            values = decode_e4m3(tl.load(codes_ptr + offsets, mask=dmask, other=0))
+            values = decode_e4m3(codes)
+        elif CODE == CODE_E2M1:
+            values = decode_e2m1(codes)
         else:
-            offsets = vectors[:, None] * (HEAD_DIM // 2) + dims[None, :] // 2
-            packed = tl.load(codes_ptr + offsets, mask=dmask, other=0)
-            # Element 2i sits in the low nibble of byte i, element 2i+1 in the high nibble.
-            values = decode_e2m1((packed >> ((dims[None, :] % 2) * 4).to(tl.uint8)) & 0xF)
+            values = codes.to(tl.float32)
         if GROUP_SIZE > 0:
-            offsets = vectors[:, None] * (HEAD_DIM // GROUP_SIZE) + dims[None, :] // GROUP_SIZE
+            ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+            NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE
+            PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
+            offsets = vectors[:, None] * (NUM_GROUPS * PARAMS) + dims[None, :] // GROUP_SIZE
             stored = tl.load(scales_ptr + offsets, mask=dmask, other=0)
             values = values * (decode_e4m3(stored) if SCALE_E4M3 else stored.to(tl.float32))
+            if ZERO_POINT:
+                zero = tl.load(scales_ptr + offsets + NUM_GROUPS, mask=dmask, other=0)
+                values = values + zero.to(tl.float32)
         values = values * tl.load(tensor_scale_ptr)
     return values
 
 
 @triton.jit
-def _group_scales(
+def _group_parameters(
     scaled,
     scales_ptr,
     vectors,
@@ -162,24 +190,35 @@ def _group_scales(
     GROUP_SIZE: tl.constexpr,
     SCALE_E4M3: tl.constexpr,
     MAX_CODE: tl.constexpr,
+    ZERO_POINT: tl.constexpr,
 ):
-    """Store the group scales of a tile in tensor-scaled units; return them as fp32 [R, G]."""
+    """Store the group scales of a tile in tensor-scaled units, then its zero points when
+    ZERO_POINT; return scales and zero points (0 without ZERO_POINT) as fp32 [R, G]."""
     BLOCK_R: tl.constexpr = scaled.shape[0]
     NUM_GROUPS: tl.constexpr = scaled.shape[1] // GROUP_SIZE
     grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
-    amax = tl.max(tl.abs(grouped), axis=2)
-    exact = tl.math.div_rn(amax, tl.full(amax.shape, MAX_CODE, tl.float32))
+    if ZERO_POINT:
+        stored_zero = tl.min(grouped, axis=2).to(tl.float16)
+        zero = stored_zero.to(tl.float32)
+        span = tl.maximum(tl.max(grouped, axis=2) - zero, 0.0)
+    else:
+        zero = tl.zeros((BLOCK_R, NUM_GROUPS), tl.float32)
+        span = tl.max(tl.abs(grouped), axis=2)
+    exact = tl.math.div_rn(span, tl.full(span.shape, MAX_CODE, tl.float32))
     if SCALE_E4M3:
         stored = encode_e4m3(exact)
         scale = decode_e4m3(stored)
     else:
         stored = exact.to(tl.float16)
         scale = stored.to(tl.float32)
+    PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
     groups = tl.arange(0, NUM_GROUPS)
-    offsets = vectors[:, None] * (HEAD_DIM // GROUP_SIZE) + groups[None, :]
+    offsets = vectors[:, None] * (PARAMS * (HEAD_DIM // GROUP_SIZE)) + groups[None, :]
     group_mask = mask[:, None] & (groups[None, :] < HEAD_DIM // GROUP_SIZE)
     tl.store(scales_ptr + offsets, stored, mask=group_mask)
-    return scale
+    if ZERO_POINT:
+        tl.store(scales_ptr + offsets + HEAD_DIM // GROUP_SIZE, stored_zero, mask=group_mask)
+    return scale, zero
 
 
 @triton.jit
@@ -213,27 +252,51 @@ def quantize_store_tile(
         stored = cast_for_store(values, codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + offsets, stored, mask=dmask)
     else:
+        BITS: tl.constexpr = (
+            8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
+        )
+        PER_BYTE: tl.constexpr = 8 // BITS
         tensor_scale = tl.full(values.shape, tl.load(tensor_scale_ptr), tl.float32)
         scaled = tl.where(dmask, tl.math.div_rn(values, tensor_scale), 0.0)
         if GROUP_SIZE > 0:
-            max_code: tl.constexpr = 448.0 if CODE == CODE_E4M3 else 6.0
-            scale = _group_scales(
-                scaled, scales_ptr, vectors, mask, HEAD_DIM, GROUP_SIZE, SCALE_E4M3, max_code
-            )
             NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
             grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
+            ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+            MAX_CODE: tl.constexpr = (
+                448.0 if CODE == CODE_E4M3 else (6.0 if CODE == CODE_E2M1 else 2.0**BITS - 1)
+            )
+            scale, zero = _group_parameters(
+                scaled,
+                scales_ptr,
+                vectors,
+                mask,
+                HEAD_DIM,
+                GROUP_SIZE,
+                SCALE_E4M3,
+                MAX_CODE,
+                ZERO_POINT,
+            )
+            if ZERO_POINT:
+                grouped = grouped - zero[:, :, None]
             divisor = tl.broadcast_to(tl.where(scale == 0.0, 1.0, scale)[:, :, None], grouped.shape)
             grouped = tl.where(scale[:, :, None] == 0.0, 0.0, tl.math.div_rn(grouped, divisor))
             scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
         if CODE == CODE_E4M3:
-            offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
-            tl.store(codes_ptr + offsets, encode_e4m3(scaled), mask=dmask)
+            codes = encode_e4m3(scaled).to(tl.int32)
+        elif CODE == CODE_E2M1:
+            codes = encode_e2m1(scaled).to(tl.int32)
         else:
-            even, odd = tl.split(tl.reshape(encode_e2m1(scaled), (BLOCK_R, BLOCK_D // 2, 2)))
-            byte_dims = tl.arange(0, BLOCK_D // 2)
-            offsets = vectors[:, None] * (HEAD_DIM // 2) + byte_dims[None, :]
-            byte_mask = mask[:, None] & (byte_dims[None, :] < HEAD_DIM // 2)
-            tl.store(codes_ptr + offsets, even | (odd << 4), mask=byte_mask)
+            codes = encode_uint(scaled, BITS)
+        if PER_BYTE > 1:
+            # Element i goes to bit (i % PER_BYTE) * BITS of byte i // PER_BYTE; the bit fields
+            # do not overlap, so their sum is their bitwise or.
+            shifts = tl.arange(0, PER_BYTE) * BITS
+            per_byte = tl.reshape(codes, (BLOCK_R, BLOCK_D // PER_BYTE, PER_BYTE))
+            codes = tl.sum(per_byte << shifts[None, None, :], axis=2)
+        byte_dims = tl.arange(0, BLOCK_D // PER_BYTE)
+        offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + byte_dims[None, :]
+        byte_mask = mask[:, None] & (byte_dims[None, :] < HEAD_DIM // PER_BYTE)
+        tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=byte_mask)
 
 
 @triton.jit
@@ -413,19 +476,23 @@ def quantize_ref(
     scales = None
     if fmt.group_size is not None:
         grouped = scaled.unflatten(-1, (head_dim // fmt.group_size, fmt.group_size))
-        exact_scale = grouped.abs().amax(dim=-1) / fmt.max_code
-        if fmt.scale_dtype == "e4m3":
-            scales = encode_e4m3_fast(exact_scale)
+        if fmt.zero_point:
+            zeros = grouped.amin(dim=-1).half()
+            span = (grouped.amax(dim=-1) - zeros.float()).clamp(min=0)
+            scales = (span / fmt.max_code).half()
+            scale = scales.float()
+            grouped = grouped - zeros.float()[..., None]
+            scales = torch.cat((scales, zeros), dim=-1)
+        elif fmt.scale_dtype == "e4m3":
+            scales = encode_e4m3_fast(grouped.abs().amax(dim=-1) / fmt.max_code)
             scale = decode_e4m3_fast(scales)
         else:
-            scales = exact_scale.half()
+            scales = (grouped.abs().amax(dim=-1) / fmt.max_code).half()
             scale = scales.float()
         divisor = torch.where(scale == 0, 1.0, scale)[..., None]
         grouped = torch.where(scale[..., None] == 0, 0.0, grouped / divisor)
         scaled = grouped.flatten(-2)
-    if fmt.dtype == "fp8":
-        return encode_e4m3_fast(scaled), scales
-    return pack_e2m1_ref(encode_e2m1_fast(scaled)), scales
+    return fmt.element.encode(scaled), scales
 
 
 def dequantize_ref(
@@ -440,9 +507,12 @@ def dequantize_ref(
     _check_codes(codes, scales, fmt, head_dim)
     if not fmt.quantized:
         return codes.to(out_dtype)
-    decode = decode_e4m3_fast if fmt.dtype == "fp8" else decode_packed_e2m1_fast
-    values = decode(codes)
+    values = fmt.element.decode(codes)
     if scales is not None:
+        groups = head_dim // fmt.group_size
         scale = decode_e4m3_fast(scales) if fmt.scale_dtype == "e4m3" else scales.float()
-        values = (values.unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
+        grouped = values.unflatten(-1, (groups, -1)) * scale[..., :groups, None]
+        if fmt.zero_point:
+            grouped = grouped + scale[..., groups:, None]
+        values = grouped.flatten(-2)
     return (values * tensor_scale_or_one(tensor_scale, codes.device)).to(out_dtype)

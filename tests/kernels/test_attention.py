@@ -31,6 +31,11 @@ FORMATS = {
     "fp4": KVFormat("fp4"),
     "fp4_g16_e4m3": KVFormat("fp4", 16, "e4m3"),
     "fp4_g32": KVFormat("fp4", 32),
+    "int8_g64": KVFormat("int8", 64),
+    "int4_g32": KVFormat("int4", 32),
+    "int4_g128": KVFormat("int4", 128),
+    "int2_g16": KVFormat("int2", 16),
+    "int2_g32": KVFormat("int2", 32),
 }
 E4M3_NAN = 0x7F
 TOLERANCE = 1e-5
@@ -220,6 +225,9 @@ SHAPES = [
     (64, 2, 4, 8, "fp4_g16_e4m3", "fp8_g16"),
     (128, 4, 1, 32, "fp4", "fp16"),
     (96, 1, 3, 16, "bf16", "fp8_g32"),
+    (64, 2, 4, 16, "int4_g32", "int2_g16"),
+    (128, 1, 3, 8, "int8_g64", "int4_g128"),
+    (96, 2, 2, 16, "int2_g32", "fp4_g32"),
 ]
 LENGTHS = [0, 1, 37, 150, 8]
 
@@ -249,7 +257,10 @@ def test_stream_attention_matches_reference_and_sdpa(
 
 @pytest.mark.parametrize(
     "head_dim,num_kv_heads,group,block_size,k_name,v_name,num_splits",
-    [(*shape, splits) for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16], strict=True)],
+    [
+        (*shape, splits)
+        for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16, 3, 7, 2], strict=True)
+    ],
 )
 def test_decode_attention_matches_reference_and_sdpa(
     head_dim, num_kv_heads, group, block_size, k_name, v_name, num_splits

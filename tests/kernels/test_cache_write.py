@@ -17,6 +17,9 @@ FORMAT_PAIRS = [
     (KVFormat("fp8", 16, "e4m3"), KVFormat("fp16")),
     (KVFormat("bf16"), KVFormat("fp4")),
     (KVFormat("fp32"), KVFormat("fp8", 64)),
+    (KVFormat("int4", 32), KVFormat("int2", 16)),
+    (KVFormat("int8", 64), KVFormat("fp4", 16, "e4m3")),
+    (KVFormat("fp16"), KVFormat("int4", 64)),
 ]
 
 

@@ -16,6 +16,9 @@ FORMAT_PAIRS = [
     (KVFormat("fp4", 32), KVFormat("bf16")),
     (KVFormat("fp4", 16, "e4m3"), KVFormat("fp4", 64)),
     (KVFormat("bf16"), KVFormat("fp32")),
+    (KVFormat("int4", 32), KVFormat("int4", 32)),
+    (KVFormat("fp16"), KVFormat("int2", 16)),
+    (KVFormat("int8", 16), KVFormat("fp8", 32)),
 ]
 HEAD_DIM = 64
 
@@ -62,7 +65,15 @@ def test_compress_matches_reference(
 
 
 # Worst-case error of storing a vector, in units of its amax (see test_quantize.ERROR_BOUND).
-STORE_ERROR = {"fp32": 1e-6, "bf16": 2.0**-8, "fp8": 2.0**-4 * 17 / 16, "fp4": (1 / 6) * 17 / 16}
+# The integer formats: half a grid step of a range <= 2 amax, i.e. amax / max_code, plus the
+# fp16 rounding of the scale and zero point (< 2^-10 amax).
+STORE_ERROR = {
+    "fp32": 1e-6,
+    "bf16": 2.0**-8,
+    "fp8": 2.0**-4 * 17 / 16,
+    "fp4": (1 / 6) * 17 / 16,
+    **{f"int{bits}": 1 / (2**bits - 1) + 2.0**-10 for bits in (8, 4, 2)},
+}
 
 
 @pytest.mark.parametrize(("src_fmt", "dst_fmt"), FORMAT_PAIRS, ids=str)

@@ -248,6 +248,9 @@ def compile_kernels_for_cuda() -> None:
         KVFormat("fp4", 16, "e4m3"),
         KVFormat("fp8"),
         KVFormat("bf16"),
+        KVFormat("int8", 32),
+        KVFormat("int4", 32),
+        KVFormat("int2", 16),
     ):
         pointers = {
             "x_ptr": "*bf16",
@@ -288,7 +291,8 @@ def compile_kernels_for_cuda() -> None:
 
 
 def compile_attention_for_cuda() -> None:
-    """The paged attention kernel (causal and decode, fp4 K / fp8 V) and the LSE merge."""
+    """The paged attention kernel (causal and decode, fp4 K / fp8 V; causal int4 K / int2 V) and
+    the LSE merge."""
     from kernels import attention, attention_merge
 
     pointers = {
@@ -318,6 +322,13 @@ def compile_attention_for_cuda() -> None:
     for causal in (True, False):
         constexprs = {**shape, "CAUSAL": causal, **switches, **tiles}
         _compile_for_sm90(attention._stream_attention_kernel, pointers, constexprs)
+    int_switches = {
+        **format_switches(KVFormat("int4", 32), "K_"),
+        **format_switches(KVFormat("int2", 16), "V_"),
+    }
+    int_pointers = {**pointers, "k_scales_ptr": "*fp16"}
+    constexprs = {**shape, "CAUSAL": True, **int_switches, **tiles}
+    _compile_for_sm90(attention._stream_attention_kernel, int_pointers, constexprs)
     merge_pointers = {
         name: "*fp32" for name in ("parts_out_ptr", "parts_lse_ptr", "out_ptr", "lse_ptr")
     }

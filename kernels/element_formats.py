@@ -1,0 +1,86 @@
+"""The quantized element formats a KV stream can use, registered once.
+
+Each format is a small record: its bits, how the Triton helpers decode it (the CODE constexpr of
+`kernels.quantize`), how its group scale is chosen (symmetric around 0, or asymmetric with a
+zero point) and torch references that encode / decode its stored bytes. `KVFormat` (bytes),
+`kernels.quantize` (kernels and references), the policy and the planner all read this table, so
+adding a format is one entry here plus its code functions in their own module.
+
+CODE values of the device helpers: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1,
+and CODE_UINT + bits for the unsigned integer codes of the asymmetric formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.fp_codes import (
+    decode_e4m3_fast,
+    decode_packed_e2m1_fast,
+    encode_e2m1_fast,
+    encode_e4m3_fast,
+    pack_e2m1_ref,
+)
+from kernels.int_codes import encode_uint_ref, pack_codes_ref, unpack_codes_ref
+
+CODE_FLOAT = 0
+CODE_E4M3 = 1
+CODE_E2M1 = 2
+CODE_UINT = 16
+
+
+@dataclass(frozen=True)
+class ElementFormat:
+    """One quantized element code.
+
+    bits: bits a code takes (codes narrower than a byte are packed little end first).
+    code: CODE constexpr the Triton helpers switch on.
+    max_code: symmetric formats: largest magnitude, scale = amax / max_code; asymmetric ones:
+        largest code 2^bits - 1, scale = (max - zero) / max_code.
+    zero_point: asymmetric (a zero point is stored beside each group scale).
+    encode: fp32 values in code units [..., D] -> stored bytes [..., D * bits / 8] (torch).
+    decode: stored bytes -> fp32 code values [..., D] (torch).
+    """
+
+    bits: int
+    code: int
+    max_code: float
+    zero_point: bool
+    encode: Callable[[torch.Tensor], torch.Tensor]
+    decode: Callable[[torch.Tensor], torch.Tensor]
+
+    @property
+    def per_byte(self) -> int:
+        """Codes one byte holds (1 for 8-bit codes)."""
+        return 8 // self.bits
+
+
+def _uint_format(bits: int) -> ElementFormat:
+    """Asymmetric uniform format with `bits`-bit unsigned codes (see `kernels.int_codes`)."""
+    return ElementFormat(
+        bits=bits,
+        code=CODE_UINT + bits,
+        max_code=float(2**bits - 1),
+        zero_point=True,
+        encode=lambda u: pack_codes_ref(encode_uint_ref(u, bits), bits),
+        decode=lambda packed: unpack_codes_ref(packed, bits).float(),
+    )
+
+
+ELEMENT_FORMATS: dict[str, ElementFormat] = {
+    "fp8": ElementFormat(8, CODE_E4M3, 448.0, False, encode_e4m3_fast, decode_e4m3_fast),
+    "fp4": ElementFormat(
+        4,
+        CODE_E2M1,
+        6.0,
+        False,
+        lambda x: pack_e2m1_ref(encode_e2m1_fast(x)),
+        decode_packed_e2m1_fast,
+    ),
+    "int8": _uint_format(8),
+    "int4": _uint_format(4),
+    "int2": _uint_format(2),
+}
