@@ -27,6 +27,10 @@ from kernels.quantize import format_switches, load_dequant_tile
 
 LOG2_E = 1.4426950408889634
 LN_2 = tl.constexpr(0.6931471805599453)  # used inside the kernel: must be constexpr
+# Stand-ins for "no bound" on a vector's lifetime: far past any position, still int32.
+ALWAYS = -(2**30)
+NEVER = 2**30
+DOT_PRECISIONS = ("ieee", "tf32")
 
 
 @dataclass(frozen=True)
@@ -41,6 +45,14 @@ class PagedStream:
         visible from its last position.
     logit_bias: added to every logit of this stream (0, or ln r for summaries, so that a group of
         r identical keys gets exactly the mass of its r tokens).
+    shown_from, hidden_from: lifetime of the vectors, in tokens after the end of each vector's
+        source block (the block_size positions it lies in, or the block a summary was pooled
+        from; a stream's last block ends where the stream ends). A query at position p sees a
+        vector only when block_end + shown_from <= p < block_end + hidden_from (None: no bound).
+        A prefill chunk holds a block that is demoted or compressed within the chunk in both
+        forms, each shown to the positions that decode would show it to, so every position
+        sees exactly the cache of a decode step there. Decode ignores lifetimes: its cache is
+        already in that state.
     """
 
     k: KVPool
@@ -50,6 +62,8 @@ class PagedStream:
     start_positions: torch.Tensor
     position_stride: int = 1
     logit_bias: float = 0.0
+    shown_from: int | None = None
+    hidden_from: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_table", "lengths", "start_positions"):
@@ -73,6 +87,13 @@ class PagedStream:
                 f"k pool [blocks, block_size, heads, head_dim]={k_layout} and v pool {v_layout}: "
                 "must match"
             )
+
+    @property
+    def lifetime(self) -> tuple[int, int]:
+        """(shown_from, hidden_from) with ALWAYS / NEVER standing in for no bound."""
+        shown = ALWAYS if self.shown_from is None else self.shown_from
+        hidden = NEVER if self.hidden_from is None else self.hidden_from
+        return shown, hidden
 
     @property
     def num_seqs(self) -> int:
@@ -119,6 +140,8 @@ def _stream_attention_kernel(
     scale_log2,
     bias_log2,
     position_stride,
+    shown_from,
+    hidden_from,
     num_splits,
     stride_q_token,
     stride_q_head,
@@ -204,6 +227,11 @@ def _stream_attention_kernel(
         if CAUSAL:
             key_positions = key_start_position + keys * position_stride + position_stride - 1
             seen = seen & (key_positions[None, :] <= q_positions[:, None])
+            block_ends = key_start_position + tl.minimum(
+                (keys * position_stride // BLOCK_SIZE + 1) * BLOCK_SIZE, length * position_stride
+            )
+            seen = seen & (q_positions[:, None] >= block_ends[None, :] + shown_from)
+            seen = seen & (q_positions[:, None] < block_ends[None, :] + hidden_from)
         logits = tl.where(seen, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -245,11 +273,13 @@ def paged_attention_partials(
     scale: float,
     max_q_len: int,
     num_splits: int,
+    dot_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the stream kernel; returns per-split partials out [S, Nq, Hq, D], lse [S, Nq, Hq].
 
     q_positions None means no causal mask (every stored key is visible, as in decode). Keys are
-    split into num_splits contiguous ranges per sequence, to be merged by LSE.
+    split into num_splits contiguous ranges per sequence, to be merged by LSE. dot_precision:
+    "ieee" (fp32 products) or "tf32" (tensor cores on a GPU: 10-bit mantissas in q.k and p.v).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if head_dim != stream.head_dim or q.stride(-1) != 1:
@@ -264,6 +294,8 @@ def paged_attention_partials(
         raise ValueError(f"q_seq_starts: must be int32 of shape ({stream.num_seqs + 1},)")
     if num_splits < 1:
         raise ValueError(f"num_splits={num_splits}: must be >= 1")
+    if dot_precision not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision={dot_precision!r}: one of {', '.join(DOT_PRECISIONS)}")
     out = q.new_empty(num_splits, num_tokens, num_q_heads, head_dim, dtype=torch.float32)
     lse = q.new_empty(num_splits, num_tokens, num_q_heads, dtype=torch.float32)
     group = num_q_heads // stream.num_kv_heads
@@ -271,7 +303,7 @@ def paged_attention_partials(
     row_tiles = triton.cdiv(max_q_len * group, block_m)
     if num_tokens == 0 or row_tiles == 0:
         return out, lse
-    full_precision = "fp32" in (stream.k.fmt.dtype, stream.v.fmt.dtype)
+    shown_from, hidden_from = stream.lifetime
     grid = (stream.num_seqs, stream.num_kv_heads, row_tiles * num_splits)
     _stream_attention_kernel[grid](
         q,
@@ -292,6 +324,8 @@ def paged_attention_partials(
         scale * LOG2_E,
         stream.logit_bias * LOG2_E,
         stream.position_stride,
+        shown_from,
+        hidden_from,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -305,7 +339,7 @@ def paged_attention_partials(
         CAUSAL=q_positions is not None,
         **format_switches(stream.k.fmt, "K_"),
         **format_switches(stream.v.fmt, "V_"),
-        DOT_PRECISION="ieee" if full_precision else "tf32",
+        DOT_PRECISION=dot_precision,
         BLOCK_M=block_m,
         BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
@@ -320,6 +354,7 @@ def stream_attention(
     stream: PagedStream,
     scale: float,
     max_q_len: int | None = None,
+    dot_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of packed query chunks over one stream (prefill / extend).
 
@@ -335,24 +370,28 @@ def stream_attention(
     if q_positions.dtype != torch.int32 or tuple(q_positions.shape) != (q.shape[0],):
         raise ValueError(f"q_positions: must be int32 of shape ({q.shape[0]},)")
     out, lse = paged_attention_partials(
-        q, q_positions, q_seq_starts, stream, scale, max_q_len, num_splits=1
+        q, q_positions, q_seq_starts, stream, scale, max_q_len, 1, dot_precision
     )
     return out[0], lse[0]
 
 
 def stream_vectors_ref(
     stream: PagedStream, seq: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dense fp32 K, V [L, Hkv, D] of one sequence and the causal position of each vector [L]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Dense fp32 K, V [L, Hkv, D] of one sequence, the causal position of each vector [L] and
+    the end of its source block [L] (PagedStream's lifetime rule counts from there)."""
     length = int(stream.lengths[seq])
     indices = torch.arange(length, device=stream.block_table.device)
     blocks = stream.block_table[seq, indices // stream.block_size].long()
     slots = blocks * stream.block_size + indices % stream.block_size
     k = read_vectors_ref(stream.k, slots)
     v = read_vectors_ref(stream.v, slots)
-    stride = stream.position_stride
-    positions = int(stream.start_positions[seq]) + indices * stride + stride - 1
-    return k, v, positions
+    stride, start = stream.position_stride, int(stream.start_positions[seq])
+    positions = start + indices * stride + stride - 1
+    first_tokens = indices * stride
+    source_block_ends = (first_tokens - first_tokens % stream.block_size) + stream.block_size
+    block_ends = start + source_block_ends.clamp(max=length * stride)
+    return k, v, positions, block_ends
 
 
 def paged_attention_ref(
@@ -369,13 +408,19 @@ def paged_attention_ref(
     lse = torch.full((num_tokens, num_q_heads), -math.inf, dtype=torch.float32, device=q.device)
     for seq in range(stream.num_seqs):
         begin, end = int(q_seq_starts[seq]), int(q_seq_starts[seq + 1])
-        k, v, key_positions = stream_vectors_ref(stream, seq)
+        k, v, key_positions, block_ends = stream_vectors_ref(stream, seq)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         logits = torch.einsum("thd,khd->htk", q[begin:end].float(), k) * scale
         logits = logits + stream.logit_bias
         if q_positions is not None:
-            visible = key_positions[None, :] <= q_positions[begin:end, None]
+            seq_positions = q_positions[begin:end, None]
+            shown_from, hidden_from = stream.lifetime
+            visible = (
+                (key_positions[None, :] <= seq_positions)
+                & (seq_positions >= block_ends[None, :] + shown_from)
+                & (seq_positions < block_ends[None, :] + hidden_from)
+            )
             logits = logits.masked_fill(~visible[None], -math.inf)
         seq_lse = torch.logsumexp(logits, dim=-1)
         # A query that sees no key has lse -inf: give it zero weights, not NaN.

@@ -34,6 +34,7 @@ def decode_attention(
     stream: PagedStream,
     scale: float,
     num_splits: int | None = None,
+    dot_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [num_seqs, Hq, D] (one token a sequence) over all keys of `stream`.
 
@@ -46,7 +47,7 @@ def decode_attention(
     if num_splits is None:
         num_splits = default_num_splits(stream.num_seqs, stream.num_kv_heads)
     parts_out, parts_lse = paged_attention_partials(
-        q, None, _decode_seq_starts(q), stream, scale, max_q_len=1, num_splits=num_splits
+        q, None, _decode_seq_starts(q), stream, scale, 1, num_splits, dot_precision
     )
     if num_splits == 1:
         return parts_out[0], parts_lse[0]
@@ -58,6 +59,8 @@ def decode_attention_ref(
     stream: PagedStream,
     scale: float,
     num_splits: int | None = None,
+    dot_precision: str = "ieee",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference of `decode_attention` (the result does not depend on num_splits)."""
+    """Torch reference of `decode_attention` (fp32: the result depends on neither num_splits nor
+    dot_precision)."""
     return paged_attention_ref(q, None, _decode_seq_starts(q), stream, scale)

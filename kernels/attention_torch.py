@@ -22,7 +22,8 @@ from kernels.pool import read_blocks_ref
 
 def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...]:
     """fp32 K, V [B, L, Hkv, D] (rows past a sequence's length zeroed, so that garbage there
-    cannot turn a zero weight into NaN), key positions [B, L] and validity [B, L]."""
+    cannot turn a zero weight into NaN), key positions [B, L], the end of each key's source
+    block [B, L] (for the stream's lifetime rule) and validity [B, L]."""
     device = stream.block_table.device
     num_blocks = -(-max_len // stream.block_size)
     table = stream.block_table[:, :num_blocks].clamp(min=0)
@@ -33,9 +34,14 @@ def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...
     padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
     keys[padding] = 0.0  # in place: the gather made fresh tensors
     values[padding] = 0.0
-    stride = stream.position_stride
-    positions = stream.start_positions.long()[:, None] + index[None, :] * stride + stride - 1
-    return keys, values, positions, valid
+    stride, block_size = stream.position_stride, stream.block_size
+    starts = stream.start_positions.long()[:, None]
+    positions = starts + index[None, :] * stride + stride - 1
+    source_block_ends = (index * stride // block_size + 1) * block_size
+    block_ends = starts + torch.minimum(
+        source_block_ends[None, :], stream.lengths.long()[:, None] * stride
+    )
+    return keys, values, positions, block_ends, valid
 
 
 @dataclass(frozen=True)
@@ -77,18 +83,22 @@ def _group_keys(
     """The group's view of a stream (None when none of its sequences stores a vector there).
 
     Visible: every valid key without query positions (decode: the query follows every key),
-    else the keys whose position the query has reached."""
+    else the keys whose position the query has reached and whose lifetime covers it."""
     sub_stream = stream.select(group.seqs)
     max_len = int(sub_stream.lengths.max())
     if max_len == 0:
         return None
-    keys, values, key_positions, key_valid = _gather_stream(sub_stream, max_len)
+    keys, values, key_positions, block_ends, key_valid = _gather_stream(sub_stream, max_len)
     visible = key_valid[:, None, :]
     if q_positions is None:
         visible = visible.expand(-1, group.rows.shape[1], -1)
     else:
-        positions = q_positions.long()[group.rows]
-        visible = visible & (key_positions[:, None, :] <= positions[:, :, None])
+        positions = q_positions.long()[group.rows][:, :, None]
+        visible = visible & (key_positions[:, None, :] <= positions)
+        if stream.shown_from is not None:
+            visible = visible & (positions >= block_ends[:, None, :] + stream.shown_from)
+        if stream.hidden_from is not None:
+            visible = visible & (positions < block_ends[:, None, :] + stream.hidden_from)
     return _GroupKeys(keys, values, visible)
 
 

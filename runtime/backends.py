@@ -4,13 +4,17 @@
 attention over all of a sequence's streams in one fused SDPA call (kernels/attention_torch.py,
 checked against the per-stream references merged by log-sum-exp). `triton` runs the kernels
 (GPU, or the CPU under TRITON_INTERPRET=1 for tests): one attention launch per stream, then the
-merge kernel. Both share signatures, so the cache code is the same.
+merge kernel, with fp32 (ieee) dot products. `triton_tf32` is the same with tf32 tensor-core dots
+on a GPU: it stays a separate backend until a GPU run shows what tf32 costs in logits and
+retention (benchmarks/gpu_check.sh measures it). All share signatures, so the cache code is the
+same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -39,13 +43,16 @@ def cache_attention_triton(
     streams: Sequence[PagedStream],
     scale: float,
     max_q_len: int | None = None,
+    dot_precision: str = "ieee",
 ) -> torch.Tensor:
     """One kernel launch per stream; several streams' partials merged by log-sum-exp."""
     if q_positions is None:
-        partials = [decode_attention(q, stream, scale) for stream in streams]
+        partials = [
+            decode_attention(q, stream, scale, dot_precision=dot_precision) for stream in streams
+        ]
     else:
         partials = [
-            stream_attention(q, q_positions, q_seq_starts, stream, scale, max_q_len)
+            stream_attention(q, q_positions, q_seq_starts, stream, scale, max_q_len, dot_precision)
             for stream in streams
         ]
     return partials[0][0] if len(partials) == 1 else merge_attention(partials)[0]
@@ -54,6 +61,9 @@ def cache_attention_triton(
 BACKENDS: dict[str, CacheOps] = {
     "torch": CacheOps(write_kv_ref, compress_blocks_ref, cache_attention_torch),
     "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton),
+    "triton_tf32": CacheOps(
+        write_kv, compress_blocks, partial(cache_attention_triton, dot_precision="tf32")
+    ),
 }
 
 

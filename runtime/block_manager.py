@@ -5,8 +5,14 @@ serves all layers. The layout follows runtime/kv_bytes.py exactly, which is what
 sequence holds equal the planner's figure after every step:
 - new tokens go to the tail of the sink stream (positions < csa_sinks, when compressing) or of
   the window stream, into the fp16 "recent" pool when recent_unquantized > 0, else the main pool;
-- after a step, window blocks that left the window are pooled into the summary stream, and
-  blocks that hold none of the last recent_unquantized tokens move to the main pool.
+- blocks that hold none of the last recent_unquantized tokens move to the main pool, and window
+  blocks that left the window are pooled into the summary stream (in that order, so a block that
+  crosses both thresholds at once is pooled from the codes decode would have pooled).
+`maintain(kv, upto)` brings the layout to what decode has once `upto` tokens are cached. The
+engine calls it before a step's attention with upto = the chunk's last position (so every
+prefill position sees what decode shows it) and after the step with upto = all tokens. Blocks
+that leave a stream before the attention stay readable until `release`: `SequenceKV.retiring`
+lists them, and the cache shows each to the positions that decode would show it to.
 The manager only decides; the KV cache executes the returned copy operations on every layer and
 then calls `release` for their source blocks.
 """
@@ -16,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from runtime.kv_bytes import ceil_div, compressed_blocks, sequence_blocks
+from runtime.kv_bytes import ceil_div, compressed_blocks, exact_extents, sequence_blocks
 from runtime.policy import KVPolicy
 
 MAIN = "main"
@@ -65,6 +71,16 @@ class ExactStream:
     length: int = 0
 
 
+@dataclass(frozen=True)
+class RetiringBlock:
+    """An exact block that left `stream` ("sinks" or "window") in this step's maintenance:
+    demoted (its recent copy) or pooled into summaries; readable until `release`."""
+
+    stream: str
+    first_position: int
+    block: Block
+
+
 @dataclass
 class SequenceKV:
     """The blocks one sequence holds. `sinks` is used only when the policy compresses."""
@@ -74,6 +90,7 @@ class SequenceKV:
     summary_blocks: list[int] = field(default_factory=list)
     num_summaries: int = 0
     num_tokens: int = 0
+    retiring: list[RetiringBlock] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -129,17 +146,33 @@ class BlockManager:
         """
         held = self.held(kv)
         end = kv.num_tokens + num_new
+        # Two maintenances: up to end - 1 before the attention (its sources held until the
+        # attention is done), then up to end.
         after = sequence_blocks(self.policy, end)
         newly_compressed = compressed_blocks(self.policy, end) - compressed_blocks(
             self.policy, kv.num_tokens
         )
-        peak_main = after.quantized + after.summary + newly_compressed
+        peak_main = newly_compressed + max(
+            self._main_blocks_before_attention(end), after.quantized + after.summary
+        )
         peak_recent = held[RECENT]
         if self.tail_kind == RECENT:
             peak_recent += self._new_tail_blocks(kv, num_new)
         return BlockNeeds(
             main=max(0, peak_main - held[MAIN]), recent=max(0, peak_recent - held[RECENT])
         )
+
+    def _main_blocks_before_attention(self, end: int) -> int:
+        """Main blocks of a sequence of `end` tokens maintained up to end - 1: that layout, plus
+        the block the last token may open when new tokens go straight to the main pool (when
+        they go to the recent pool it holds them)."""
+        before = sequence_blocks(self.policy, end - 1)
+        opened = 0
+        if self.tail_kind == MAIN:
+            last = exact_extents(self.policy, end - 1)[-1]
+            bs = self.policy.block_size
+            opened = ceil_div(last.length + 1, bs) - ceil_div(last.length, bs)
+        return before.quantized + before.summary + opened
 
     def can_append(self, kv: SequenceKV, num_new: int) -> bool:
         need = self.needs(kv, num_new)
@@ -166,17 +199,21 @@ class BlockManager:
         kv.num_tokens += num_new
         return slots
 
-    def maintain(self, kv: SequenceKV) -> list[BlockCopy]:
-        """Compress blocks that left the window, move blocks that left the recent region."""
-        return self._compress(kv) + self._demote(kv)
+    def maintain(self, kv: SequenceKV, upto: int | None = None) -> list[BlockCopy]:
+        """Bring kv to the layout decode has with `upto` tokens cached (default: all): move
+        blocks that left the recent region, then pool blocks that left the window. Returns the
+        copies, in the order they must run."""
+        upto = kv.num_tokens if upto is None else upto
+        return self._demote(kv, upto) + self._compress(kv, upto)
 
-    def _compress(self, kv: SequenceKV) -> list[BlockCopy]:
+    def _compress(self, kv: SequenceKV, upto: int) -> list[BlockCopy]:
         policy = self.policy
         bs, ratio = policy.block_size, policy.csa_ratio
         done = (kv.window.start - self._sink_count()) // bs
         copies = []
-        for _ in range(compressed_blocks(policy, kv.num_tokens) - done):
+        for _ in range(compressed_blocks(policy, upto) - done):
             source = kv.window.blocks.pop(0)
+            kv.retiring.append(RetiringBlock("window", kv.window.start, source))
             kv.window.start += bs
             kv.window.length -= bs
             dst_slots = []
@@ -189,11 +226,18 @@ class BlockManager:
             copies.append(BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio))
         return copies
 
-    def _demote(self, kv: SequenceKV) -> list[BlockCopy]:
-        bs = self.policy.block_size
-        oldest_recent = kv.num_tokens - self.policy.recent_unquantized
+    def _demote(self, kv: SequenceKV, upto: int) -> list[BlockCopy]:
+        """Quantize recent blocks that hold none of the last recent_unquantized tokens. When
+        the recent region is longer than the CSA window, a window block is pooled straight from
+        its recent copy before it would be demoted, so window blocks are left to _compress."""
+        policy = self.policy
+        bs = policy.block_size
+        oldest_recent = upto - policy.recent_unquantized
+        streams = {"sinks": kv.sinks, "window": kv.window}
+        if policy.compressed and policy.recent_unquantized > policy.csa_window:
+            del streams["window"]
         copies = []
-        for stream in (kv.sinks, kv.window):
+        for name, stream in streams.items():
             for index, block in enumerate(stream.blocks):
                 block_end = stream.start + min((index + 1) * bs, stream.length)
                 if block.kind != RECENT or block_end > oldest_recent:
@@ -201,13 +245,16 @@ class BlockManager:
                 target = self.pools[MAIN].allocate()
                 slots = tuple(range(target * bs, (target + 1) * bs))
                 copies.append(BlockCopy(RECENT, block.block_id, slots, 1))
+                kv.retiring.append(RetiringBlock(name, stream.start + index * bs, block))
                 stream.blocks[index] = Block(MAIN, target)
         return copies
 
-    def release(self, copies: list[BlockCopy]) -> None:
-        """Free the source blocks of executed copies."""
+    def release(self, copies: list[BlockCopy], kvs: list[SequenceKV]) -> None:
+        """Free the source blocks of executed copies (the retiring blocks of kvs)."""
         for copy in copies:
             self.pools[copy.src_kind].release(copy.src_block)
+        for kv in kvs:
+            kv.retiring.clear()
 
     def free(self, kv: SequenceKV) -> None:
         """Return every block of a finished or preempted sequence."""

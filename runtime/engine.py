@@ -196,14 +196,20 @@ class Engine:
         return self._sample(batch, hidden, rows)
 
     def _forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
+        """Run the model over this step's tokens. The cache is first brought to what each
+        sequence's last new position sees in decode (demotions and compressions up to there), so
+        a prefill position reads the cache a decode step at that position would read; the
+        blocks this retires stay readable until the step's attention is done."""
         ids, positions = [], []
-        for item in batch:
+        kvs = [self.scheduler.kv[item.seq.seq_id] for item in batch]
+        copies = []
+        for item, kv in zip(batch, kvs, strict=True):
             seq = item.seq
             span = range(seq.num_cached, seq.num_cached + item.num_tokens)
             ids.extend(seq.token_ids[span.start : span.stop])
             positions.append(list(span))
-        kvs = [self.scheduler.kv[item.seq.seq_id] for item in batch]
-        layout = self.cache.layout(kvs, [item.slots for item in batch], positions)
+            copies.extend(self.blocks.maintain(kv, upto=span.stop - 1))
+        layout = self.cache.layout(kvs, [item.slots for item in batch], positions, copies)
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -212,19 +218,22 @@ class Engine:
 
         flat_positions = torch.tensor([p for seq in positions for p in seq], device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.model.forward(input_ids, flat_positions, attention)
+        hidden = self.model.forward(input_ids, flat_positions, attention)
+        self.blocks.release(copies, kvs)
+        return hidden
 
     def _advance(self, batch: list[ScheduledSequence]) -> list[range]:
         """Mark this step's tokens cached, compress/move blocks; returns each item's rows."""
         copies = []
         rows, start = [], 0
-        for item in batch:
+        kvs = [self.scheduler.kv[item.seq.seq_id] for item in batch]
+        for item, kv in zip(batch, kvs, strict=True):
             item.seq.num_cached += item.num_tokens
-            copies.extend(self.blocks.maintain(self.scheduler.kv[item.seq.seq_id]))
+            copies.extend(self.blocks.maintain(kv))
             rows.append(range(start, start + item.num_tokens))
             start += item.num_tokens
         self.cache.apply_copies(copies)
-        self.blocks.release(copies)
+        self.blocks.release(copies, kvs)
         return rows
 
     def _sample(

@@ -5,6 +5,12 @@ when recent_unquantized > 0, an fp16 pool for the most recent tokens. A sequence
 to five streams (sinks and window, each split into main and recent blocks, plus summaries);
 attention is one softmax over all of them (DESIGN.md section 3): the Triton backend attends each
 stream and merges the partial results by log-sum-exp, the torch backend concatenates them.
+
+A prefill chunk must score every position on the cache a decode step there would read. The
+engine brings the layout to the chunk's last position before the attention; the blocks demoted
+or pooled on the way are still readable (`SequenceKV.retiring`), and each stream carries a
+lifetime rule (PagedStream.shown_from / hidden_from) that shows a block's exact, recent or
+pooled form to exactly the positions that decode would show it to.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from kernels.attention import PagedStream
 from kernels.pool import KVPool
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
-from runtime.block_manager import MAIN, RECENT, BlockCopy, BlockManager, ExactStream, SequenceKV
+from runtime.block_manager import MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
 from runtime.kv_bytes import layer_formats, token_bytes
 from runtime.policy import KVPolicy
 
@@ -42,17 +48,31 @@ class StreamSpec:
     start_positions: torch.Tensor
     position_stride: int = 1
     logit_bias: float = 0.0
+    shown_from: int | None = None
+    hidden_from: int | None = None
+
+
+@dataclass(frozen=True)
+class CopyGroup:
+    """Copies of one source kind and ratio, as index tensors built once for every layer."""
+
+    src_kind: str
+    ratio: int
+    src_blocks: torch.Tensor
+    dst_slots: torch.Tensor
 
 
 @dataclass(frozen=True)
 class StepLayout:
-    """Where this step's new tokens go and which streams its queries read."""
+    """Where this step's new tokens go, the copies that bring the cache to what its last query
+    sees (run per layer after the write), and which streams its queries read."""
 
     slot_mapping: torch.Tensor
     q_positions: torch.Tensor
     q_seq_starts: torch.Tensor
     max_q_len: int
     streams: list[StreamSpec]
+    copies: list[CopyGroup]
 
     @property
     def decode_only(self) -> bool:
@@ -120,12 +140,17 @@ class KVCache:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
 
     def layout(
-        self, kvs: list[SequenceKV], slots: list[list[int]], positions: list[list[int]]
+        self,
+        kvs: list[SequenceKV],
+        slots: list[list[int]],
+        positions: list[list[int]],
+        copies: list[BlockCopy],
     ) -> StepLayout:
         """This step's layout, built once and reused by every layer.
 
-        kvs, slots, positions: per scheduled sequence, its blocks (after this step's append),
-        the slots of its new tokens and their absolute positions.
+        kvs, slots, positions: per scheduled sequence, its blocks (after this step's append and
+        the maintenance up to its last position), the slots of its new tokens and their
+        absolute positions; copies: what that maintenance asked for.
         """
         starts = [0]
         for seq_positions in positions:
@@ -137,17 +162,29 @@ class KVCache:
             q_seq_starts=self._int32(starts),
             max_q_len=max(len(p) for p in positions),
             streams=self._stream_specs(kvs),
+            copies=self._copy_groups(copies),
         )
+
+    def _lifetime(self, name: str, kind: str) -> tuple[int | None, int | None]:
+        """(shown_from, hidden_from) of a stream's blocks, from the policy's thresholds: a block
+        is demoted once recent_unquantized tokens follow its end, and a window block is pooled
+        once csa_window tokens do (straight from its recent copy if that comes first)."""
+        recent, window = self.policy.recent_unquantized, self.policy.csa_window
+        pooled = window if self.policy.compressed and name == "window" else None
+        if name == "summary":
+            return window, None
+        if kind == RECENT:
+            return None, min(recent, pooled) if pooled is not None else recent
+        return (recent if recent > 0 else None), pooled
 
     def _stream_specs(self, kvs: list[SequenceKV]) -> list[StreamSpec]:
         """One spec per (stream, block kind) that holds any vector in this batch."""
-        bs, ratio = self.policy.block_size, self.policy.csa_ratio
+        ratio = self.policy.csa_ratio
         rows: dict[tuple[str, str], list[tuple[list[int], int, int]]] = defaultdict(list)
         for kv in kvs:
-            for name, stream in (("sinks", kv.sinks), ("window", kv.window)):
-                parts = _split_by_kind(stream, bs)
+            for name, parts in _exact_segments(kv, self.policy.block_size).items():
                 for kind in (MAIN, RECENT):
-                    rows[(name, kind)].append(parts.get(kind, ([], 0, stream.start)))
+                    rows[(name, kind)].append(parts.get(kind, ([], 0, 0)))
             summaries = (kv.summary_blocks, kv.num_summaries, self.policy.csa_sinks)
             rows[("summary", MAIN)].append(summaries)
         specs = []
@@ -155,6 +192,7 @@ class KVCache:
             if not any(length for _, length, _ in per_seq):
                 continue
             summary = name == "summary"
+            shown_from, hidden_from = self._lifetime(name, kind)
             specs.append(
                 StreamSpec(
                     kind=kind,
@@ -163,9 +201,41 @@ class KVCache:
                     start_positions=self._int32([start for _, _, start in per_seq]),
                     position_stride=ratio if summary else 1,
                     logit_bias=math.log(ratio) if summary else 0.0,
+                    shown_from=shown_from,
+                    hidden_from=hidden_from,
                 )
             )
         return specs
+
+    def _copy_groups(self, copies: list[BlockCopy]) -> list[CopyGroup]:
+        """Copies grouped by (source kind, ratio), in first-seen order: a block demoted and
+        pooled in one maintenance is pooled from its demoted codes."""
+        groups: dict[tuple[str, int], list[BlockCopy]] = defaultdict(list)
+        for copy in copies:
+            groups[(copy.src_kind, copy.ratio)].append(copy)
+        return [
+            CopyGroup(
+                src_kind,
+                ratio,
+                self._int32([c.src_block for c in group]),
+                torch.tensor(
+                    [s for c in group for s in c.dst_slots], dtype=torch.int64, device=self.device
+                ),
+            )
+            for (src_kind, ratio), group in groups.items()
+        ]
+
+    def _run_copies(self, layer: int, groups: list[CopyGroup]) -> None:
+        pools = self.layers[layer]
+        for group in groups:
+            for by_kind in (pools.k, pools.v):
+                self.ops.compress_blocks(
+                    by_kind[group.src_kind],
+                    group.src_blocks,
+                    by_kind[MAIN],
+                    group.dst_slots,
+                    group.ratio,
+                )
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(r) for r in rows))
@@ -187,6 +257,7 @@ class KVCache:
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])
+        self._run_copies(layer, layout.copies)
         streams = [
             PagedStream(
                 pools.k[spec.kind],
@@ -196,6 +267,8 @@ class KVCache:
                 spec.start_positions,
                 spec.position_stride,
                 spec.logit_bias,
+                spec.shown_from,
+                spec.hidden_from,
             )
             for spec in layout.streams
         ]
@@ -207,31 +280,35 @@ class KVCache:
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:
         """Execute compressions and recent->main moves on every layer (sources freed by caller)."""
-        groups: dict[tuple[str, int], list[BlockCopy]] = defaultdict(list)
-        for copy in copies:
-            groups[(copy.src_kind, copy.ratio)].append(copy)
-        for (src_kind, ratio), group in groups.items():
-            src_ids = torch.tensor(
-                [c.src_block for c in group], dtype=torch.int32, device=self.device
-            )
-            dst_slots = torch.tensor(
-                [s for c in group for s in c.dst_slots], dtype=torch.int64, device=self.device
-            )
-            for pools in self.layers:
-                for by_kind in (pools.k, pools.v):
-                    self.ops.compress_blocks(
-                        by_kind[src_kind], src_ids, by_kind[MAIN], dst_slots, ratio
-                    )
+        groups = self._copy_groups(copies)
+        for layer in range(len(self.layers)):
+            self._run_copies(layer, groups)
 
 
-def _split_by_kind(stream: ExactStream, block_size: int) -> dict[str, tuple[list[int], int, int]]:
-    """(block ids, length, start position) of a stream's main prefix and recent suffix."""
-    main_ids = [b.block_id for b in stream.blocks if b.kind == MAIN]
-    recent_ids = [b.block_id for b in stream.blocks if b.kind == RECENT]
-    parts = {}
-    main_length = min(stream.length, len(main_ids) * block_size)
-    if main_ids:
-        parts[MAIN] = (main_ids, main_length, stream.start)
-    if recent_ids:
-        parts[RECENT] = (recent_ids, stream.length - main_length, stream.start + main_length)
-    return parts
+def _exact_segments(
+    kv: SequenceKV, block_size: int
+) -> dict[str, dict[str, tuple[list[int], int, int]]]:
+    """Per exact stream ("sinks", "window") and block kind: (block ids, length, start position)
+    of its consecutive blocks, retiring ones included. A block and its demoted copy cover the
+    same positions in different kinds, so each kind's blocks are consecutive."""
+    segments: dict[str, dict[str, tuple[list[int], int, int]]] = {}
+    for name, stream in (("sinks", kv.sinks), ("window", kv.window)):
+        blocks: list[tuple[int, Block]] = [
+            (stream.start + index * block_size, block) for index, block in enumerate(stream.blocks)
+        ]
+        blocks += [(r.first_position, r.block) for r in kv.retiring if r.stream == name]
+        end = stream.start + stream.length
+        by_kind: dict[str, tuple[list[int], int, int]] = {}
+        for kind in (MAIN, RECENT):
+            mine = sorted((first, block.block_id) for first, block in blocks if block.kind == kind)
+            if not mine:
+                continue
+            start = mine[0][0]
+            if [first for first, _ in mine] != list(
+                range(start, start + len(mine) * block_size, block_size)
+            ):
+                raise RuntimeError(f"{name} {kind} blocks are not consecutive: {mine}")
+            last_end = min(mine[-1][0] + block_size, end)
+            by_kind[kind] = ([block_id for _, block_id in mine], last_end - start, start)
+        segments[name] = by_kind
+    return segments

@@ -24,6 +24,16 @@ POLICIES = [
         chunk_size=32,
     ),
     KVPolicy(csa_ratio=4, csa_window=32, csa_sinks=0, recent_unquantized=100, block_size=16),
+    # Demoted and pooled within one chunk (recent region shorter than the window).
+    KVPolicy(
+        k_dtype="fp4",
+        csa_ratio=4,
+        csa_window=48,
+        csa_sinks=3,
+        recent_unquantized=16,
+        block_size=16,
+        chunk_size=128,
+    ),
 ]
 
 
@@ -34,11 +44,16 @@ def run_steps(manager: BlockManager, steps: list[int]):
         before_free = {k: p.num_free for k, p in manager.pools.items()}
         need = manager.needs(kv, num_new)
         manager.append(kv, num_new)
-        copies = manager.maintain(kv)
-        # At its peak (copies written, sources not yet freed) the step stays within `needs`.
-        assert before_free[MAIN] - manager.pools[MAIN].num_free <= need.main
-        assert before_free[RECENT] - manager.pools[RECENT].num_free <= need.recent
-        manager.release(copies)
+        # As the engine does: maintain up to the chunk's last position before the attention,
+        # release, then maintain up to every token. At each peak (copies written, sources not
+        # yet freed) the step stays within `needs`.
+        copies = []
+        for upto in (kv.num_tokens - 1, kv.num_tokens):
+            stage = manager.maintain(kv, upto)
+            assert before_free[MAIN] - manager.pools[MAIN].num_free <= need.main
+            assert before_free[RECENT] - manager.pools[RECENT].num_free <= need.recent
+            manager.release(stage, [kv])
+            copies += stage
         yield kv, copies
 
 

@@ -25,7 +25,7 @@ def run(scheduler: Scheduler, max_steps: int = 2000) -> list[list[tuple[int, int
             assert len(item.slots) == item.num_tokens
             seq.num_cached += item.num_tokens
             kv = scheduler.kv[seq.seq_id]
-            scheduler.blocks.release(scheduler.blocks.maintain(kv))
+            scheduler.blocks.release(scheduler.blocks.maintain(kv), [kv])
             expected = sequence_blocks(scheduler.blocks.policy, seq.num_cached)
             assert scheduler.blocks.held(kv)[MAIN] == expected.quantized + expected.summary
             if seq.num_cached == seq.num_tokens:

@@ -1,0 +1,91 @@
+"""A position scored in prefill reads exactly the cache a decode step at that position reads.
+
+The oracle is decode itself: the prompt fed one token a step (teacher-forced), so every
+demotion out of the fp16 recent region and every CSA compression has happened before the
+position's attention, as in serving. Chunked prefill must give the same logits whatever the
+chunk size and whatever other prompts share its steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM
+from runtime.policy import KVPolicy
+from tests.runtime.test_engine import random_tokens, relative_error
+
+BLOCK = 8
+POLICIES = {
+    "csa": KVPolicy(
+        k_dtype="fp8", v_dtype="fp8", csa_ratio=4, csa_window=24, csa_sinks=4, block_size=BLOCK
+    ),
+    "recent_window": KVPolicy(
+        k_dtype="fp4", v_dtype="fp4", group_size=16, recent_unquantized=20, block_size=BLOCK
+    ),
+    "quantized": KVPolicy(k_dtype="fp4", v_dtype="fp8", group_size=16, block_size=BLOCK),
+    # Recent region shorter than the window: a block is demoted, then pooled from its codes.
+    "csa_recent_inside_window": KVPolicy(
+        k_dtype="fp4",
+        v_dtype="fp4",
+        group_size=16,
+        csa_ratio=2,
+        csa_window=32,
+        csa_sinks=3,
+        recent_unquantized=12,
+        block_size=BLOCK,
+    ),
+    # Recent region longer than the window: window blocks are pooled from their fp16 copy.
+    "csa_recent_past_window": KVPolicy(
+        k_dtype="fp8",
+        v_dtype="fp4",
+        group_size=16,
+        csa_ratio=8,
+        csa_window=16,
+        csa_sinks=5,
+        recent_unquantized=40,
+        block_size=BLOCK,
+    ),
+}
+PROMPT = random_tokens(90, seed=3)
+OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
+
+
+def prefill_logits(folder, policy: KVPolicy, chunk_size: int, with_others: bool) -> torch.Tensor:
+    """Logits of PROMPT by chunked prefill; with_others puts two more prompts in its steps."""
+    llm = LLM(str(folder), policy=policy.replace(chunk_size=chunk_size), max_model_len=256)
+    prompts = [PROMPT, *OTHERS] if with_others else [PROMPT]
+    return llm.prompt_logits_batch(prompts)[0]
+
+
+def decode_logits(folder, policy: KVPolicy) -> torch.Tensor:
+    """Logits of PROMPT[:-1] by decode: the first token alone, then one forced token a step."""
+    llm = LLM(str(folder), policy=policy.replace(chunk_size=BLOCK), max_model_len=256)
+    seen: list[torch.Tensor] = []
+
+    def forced_next_token(logits: torch.Tensor, temperature: float) -> int:
+        seen.append(logits.float().cpu())
+        return PROMPT[len(seen)]
+
+    llm.engine._choose = forced_next_token  # teacher forcing: the prompt's own next token
+    llm.engine.add_request(PROMPT[:1], max_new_tokens=len(PROMPT) - 1)
+    llm.engine.run()
+    return torch.stack(seen[: len(PROMPT) - 1])
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_prefill_logits_do_not_depend_on_chunks_or_batch_and_equal_decode(tiny_llama, name):
+    policy = POLICIES[name]
+    reference = decode_logits(tiny_llama, policy)
+    for chunk_size in (512, BLOCK):
+        for with_others in (False, True):
+            logits = prefill_logits(tiny_llama, policy, chunk_size, with_others)
+            error = relative_error(logits[:-1], reference)
+            assert error <= 1e-5, (chunk_size, with_others, error)
+
+
+def test_the_policies_change_logits_where_decode_says_they_should(tiny_llama):
+    """Guard against a vacuous pass: each policy's decode logits differ from the exact cache's."""
+    exact = decode_logits(tiny_llama, KVPolicy("auto", "auto", block_size=BLOCK))
+    for name, policy in POLICIES.items():
+        assert relative_error(decode_logits(tiny_llama, policy), exact) > 1e-3, name
