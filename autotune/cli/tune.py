@@ -148,6 +148,11 @@ def run_study(
         tracker.fail()
         raise
     records = trial_records(study)
+    if objective.exhausted:
+        console.print(
+            f"study {settings.name}: every distinct policy of the search space is measured "
+            f"({len(records)} trials); stopped short of study.n_trials={settings.n_trials}"
+        )
     front = [r.number for r in pareto_front(records, setup.objectives)]
     policies = {r.number: r.policy.to_yaml() for r in records if r.number in front and r.policy}
     tracker.finish(

@@ -254,9 +254,10 @@ class SearchSpace:
 def canonical(policy: KVPolicy) -> KVPolicy:
     """One representative of policies that store and compute the same cache.
 
-    Scale settings and the unquantized recent window mean nothing without a quantized stream,
-    the CSA window and sinks nothing without compression, and per-layer pairs that are all
-    equal are the plain K/V dtypes. Canonical policies make equal trials hit the same cache entry.
+    Scale settings and the unquantized recent window mean nothing without a quantized stream
+    (the group size becomes "tensor", the one value every head_dim accepts), the CSA window and
+    sinks nothing without compression, and per-layer pairs that are all equal are the plain K/V
+    dtypes. Canonical policies make equal trials hit the same cache entry.
     """
     pairs = policy.layer_dtypes or (f"{policy.k_dtype}/{policy.v_dtype}",)
     changes: dict[str, Any] = {}
@@ -267,7 +268,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         changes.update(k_dtype=_DEFAULTS.k_dtype, v_dtype=_DEFAULTS.v_dtype)
     if not any(d in QUANTIZED for pair in pairs for d in pair.split("/")):
         changes.update(
-            group_size=_DEFAULTS.group_size,
+            group_size=PER_TENSOR,
             scale_dtype=_DEFAULTS.scale_dtype,
             recent_unquantized=_DEFAULTS.recent_unquantized,
         )

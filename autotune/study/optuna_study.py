@@ -6,15 +6,23 @@ machines join with the name and the storage alone. Heartbeats mark a killed work
 after the grace period and re-queue its params. A trial that cannot be measured (OOM, NaN, a
 combination the runtime refuses) is recorded FAIL with its reason and the study goes on.
 
-The trial budget `n_trials` counts trials that finished (COMPLETE, or FAIL with a reason) or
-are in flight; workers check it before and after asking for a trial, so several workers never
-overshoot it, and each waits for in-flight trials before it returns.
+The trial budget `n_trials` counts distinct policies measured (COMPLETE, or FAIL with a reason)
+or in flight; workers check it before and after asking for a trial, so several workers never
+overshoot it, and each waits for in-flight trials before it returns. A sampled policy that the
+study already measured or is measuring (the same canonical policy, whatever params built it) is
+not run again: the trial is pruned as a duplicate and an unmeasured policy is queued in its
+place. Once every distinct policy of the search space is measured the study stops short of its
+budget (TrialObjective.exhausted).
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
+import json
 import logging
+import math
+import random
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +36,7 @@ from optuna.samplers import BaseSampler
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
-from autotune.search.space import SearchConfig, SearchSpace
+from autotune.search.space import SearchConfig, SearchSpace, canonical
 from autotune.study.objectives import Constraints, TrialFailure, directions
 from autotune.study.recipe import recipe_differences
 from runtime.errors import ConfigError
@@ -41,6 +49,10 @@ MAX_GRID = 100_000
 RECIPE_ATTR = "recipe"
 FAILURE_ATTR = "failure_reason"
 SURPLUS_ATTR = "surplus"
+DUPLICATE_ATTR = "duplicate_of"
+POLICY_ATTR = "policy"
+# Random draws tried for an unmeasured policy before the space is enumerated (when small enough).
+RESAMPLE_DRAWS = 200
 POLL_SECONDS = 2.0
 STARTED_ATTR = "started"
 # A RUNNING trial that never reached the objective this long after Optuna handed it out is an
@@ -225,11 +237,24 @@ def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, n_trials: int) 
 
 def counted(trial: FrozenTrial) -> bool:
     """Whether a trial uses the budget: finished with a result or a reason, or in flight."""
-    if trial.user_attrs.get(SURPLUS_ATTR):
+    if trial.user_attrs.get(SURPLUS_ATTR) or DUPLICATE_ATTR in trial.user_attrs:
         return False
     if trial.state == TrialState.FAIL:
         return FAILURE_ATTR in trial.user_attrs
     return trial.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+
+
+def policy_key(policy: KVPolicy | Mapping[str, Any]) -> str:
+    """A policy's identity: its canonical dict as sorted JSON, equal for every param set that
+    builds the same cache."""
+    if not isinstance(policy, KVPolicy):
+        policy = KVPolicy.from_dict(policy)
+    return json.dumps(canonical(policy).to_dict(), sort_keys=True)
+
+
+def measuring(trial: FrozenTrial) -> bool:
+    """Whether a trial measured its policy or is measuring it (counted, past sampling)."""
+    return counted(trial) and trial.state != TrialState.WAITING and POLICY_ATTR in trial.user_attrs
 
 
 class TrialObjective:
@@ -248,6 +273,9 @@ class TrialObjective:
         self.objectives = tuple(objectives)
         self.constraints = constraints
         self.n_trials = n_trials
+        # Set once a duplicate found no unmeasured policy to queue: every distinct policy of
+        # the space is measured (or in flight), so asking for more trials would loop forever.
+        self.exhausted = False
 
     def _is_surplus(self, trial: optuna.Trial) -> bool:
         earlier = [
@@ -257,13 +285,65 @@ class TrialObjective:
         ]
         return len(earlier) >= self.n_trials
 
+    def _measured_by(self, trial: optuna.Trial, key: str) -> int | None:
+        """The trial that measured (or is measuring) this policy, other than `trial`.
+
+        Called after `trial` published its policy, so of two workers sampling one policy at
+        once at least one sees the other and yields (both may: neither is counted then).
+        """
+        for other in trial.study.get_trials(deepcopy=False):
+            if (
+                other.number != trial.number
+                and measuring(other)
+                and policy_key(other.user_attrs[POLICY_ATTR]) == key
+            ):
+                return other.number
+        return None
+
+    def _unmeasured_params(self, study: optuna.Study, seed: int) -> dict[str, Any] | None:
+        """Params of a policy no trial has measured, is measuring or waits to measure: a seeded
+        random draw, else (a small space) the first in enumeration order; None when none is
+        left."""
+        taken = set()
+        for trial in study.get_trials(deepcopy=False):
+            if measuring(trial):
+                taken.add(policy_key(trial.user_attrs[POLICY_ATTR]))
+            elif trial.state == TrialState.WAITING:
+                fixed = trial.system_attrs.get("fixed_params", {})
+                taken.add(policy_key(self.space.policy(fixed)))
+        choices = {name: dist.choices for name, dist in self.space.distributions().items()}
+        rng = random.Random(seed)
+        for _ in range(RESAMPLE_DRAWS):
+            params = {name: rng.choice(values) for name, values in choices.items()}
+            if policy_key(self.space.policy(params)) not in taken:
+                return params
+        if math.prod(len(values) for values in choices.values()) > MAX_GRID:
+            return None
+        for combination in itertools.product(*choices.values()):
+            params = dict(zip(choices, combination, strict=True))
+            if policy_key(self.space.policy(params)) not in taken:
+                return params
+        return None
+
+    def _replace_duplicate(self, trial: optuna.Trial, original: int) -> None:
+        trial.set_user_attr(DUPLICATE_ATTR, original)
+        params = self._unmeasured_params(trial.study, seed=trial.number)
+        if params is None:
+            self.exhausted = True
+            return
+        trial.study.enqueue_trial(params, user_attrs={"resampled_for": trial.number})
+
     def __call__(self, trial: optuna.Trial) -> list[float]:
         trial.set_user_attr(STARTED_ATTR, True)  # alive past the heartbeat's start: not an orphan
         if self._is_surplus(trial):
             trial.set_user_attr(SURPLUS_ATTR, True)
             raise optuna.TrialPruned("another worker filled the trial budget first")
         policy = self.space.suggest(trial)
-        trial.set_user_attr("policy", policy.to_dict())
+        trial.set_user_attr(POLICY_ATTR, policy.to_dict())
+        original = self._measured_by(trial, policy_key(policy))
+        if original is not None:
+            self._replace_duplicate(trial, original)
+            raise optuna.TrialPruned(f"policy already measured by trial {original}")
         start = time.perf_counter()
         try:
             metrics, cached = self.evaluator(policy)
@@ -308,7 +388,8 @@ def run_trials(
     callbacks: Sequence[Callable[[optuna.Study, FrozenTrial], None]] = (),
     orphan_after_s: float = ORPHAN_AFTER_S,
 ) -> None:
-    """Run trials until the budget is used, then wait for other workers' trials in flight."""
+    """Run trials until the budget is used (or every distinct policy of the space is measured:
+    objective.exhausted), then wait for other workers' trials in flight."""
     while True:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
@@ -316,7 +397,7 @@ def run_trials(
         fail_orphaned_trials(study, orphan_after_s)
         budget = [t for t in study.get_trials(deepcopy=False) if counted(t)]
         waiting = any(t.state == TrialState.WAITING for t in budget)
-        if len(budget) < n_trials or waiting:
+        if (len(budget) < n_trials and not objective.exhausted) or waiting:
             study.optimize(objective, n_trials=1, catch=(TrialFailure,), callbacks=callbacks)
         elif any(t.state == TrialState.RUNNING for t in budget):
             time.sleep(POLL_SECONDS)

@@ -17,7 +17,7 @@ import optuna
 from optuna.trial import TrialState
 
 from autotune.study.objectives import MAXIMIZE, METRICS
-from autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR
+from autotune.study.optuna_study import FAILURE_ATTR, POLICY_ATTR, SURPLUS_ATTR, policy_key
 from runtime.arch import GIB
 from runtime.errors import ConfigError
 from runtime.policy import KVPolicy
@@ -44,13 +44,21 @@ class TrialRecord:
 
 
 def trial_records(study: optuna.Study) -> list[TrialRecord]:
-    """Every trial but surplus ones (budget overshoot that never ran)."""
+    """Every trial that measured a policy, one per policy (the first; studies made before
+    duplicates were refused may hold repeats), without surplus and duplicate trials (pruned
+    before measuring anything)."""
     records = []
+    seen: set[str] = set()
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
         if attrs.get(SURPLUS_ATTR) or trial.state in (TrialState.WAITING, TrialState.PRUNED):
             continue
-        policy = attrs.get("policy")
+        policy = attrs.get(POLICY_ATTR)
+        if policy:
+            key = policy_key(policy)
+            if key in seen:
+                continue
+            seen.add(key)
         records.append(
             TrialRecord(
                 number=trial.number,

@@ -4,16 +4,20 @@ The objective is tests/autotune/analytic_study.py's formula, so outcomes are kno
 """
 
 import threading
+import time
 
 import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.search.space import SearchConfig
+from autotune.search.space import SearchConfig, SearchSpace
+from autotune.study.objectives import Constraints
 from autotune.study.optuna_study import (
+    DUPLICATE_ATTR,
     FAILURE_ATTR,
     SAMPLERS,
     StudySettings,
+    TrialObjective,
     check_sampler,
     counted,
     create_or_resume,
@@ -23,14 +27,17 @@ from autotune.study.optuna_study import (
     open_storage,
     run_trials,
 )
+from autotune.study.results import trial_records
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.kv_bytes import kv_bytes_per_sequence
+from runtime.policy import KVPolicy
 from tests.autotune.analytic_study import (
     ARCH,
     OBJECTIVES,
     RECIPE,
     SEARCH,
+    analytic_measure,
     new_study,
     objective,
     refuse_compression,
@@ -84,7 +91,10 @@ def test_rerun_with_the_same_name_resumes_and_tops_up(tmp_path):
     settings, again = new_study(tmp_path)
     assert len(again.get_trials()) == 3
     run_trials(again, objective(n_trials=5), 5)
-    assert len(again.get_trials()) == 5
+    # The resumed seeded sampler proposes trial 0's policy again: pruned, not counted.
+    measured = [t for t in again.get_trials() if counted(t)]
+    assert len(measured) == 5 and all(t.state == TrialState.COMPLETE for t in measured)
+    assert len({str(t.user_attrs["policy"]) for t in measured}) == 5
     _, recipe = load_recipe(settings, open_storage(settings))
     assert recipe == RECIPE
 
@@ -164,3 +174,114 @@ def test_a_trial_whose_worker_died_before_its_heartbeat_is_failed_and_retried(tm
     assert retries[0].params == study.trials[orphan.number].system_attrs["fixed_params"]
     budget = [t for t in trials if counted(t)]
     assert len(budget) == 3 and all(t.state == TrialState.COMPLETE for t in budget)
+
+
+# Two dtypes, one layer group, two group sizes, no compression: 8 param sets but 7 distinct
+# policies, since fp16/fp16 stores no scales and its group size means nothing.
+FEW_POLICIES = {**SEARCH, "layer_groups": 1, "k_dtype": ["fp16", "fp8"], "v_dtype": ["fp16", "fp8"]}
+FEW_POLICIES["csa_ratio"] = [1]
+DISTINCT = {("fp16", "fp16")} | {
+    (k, v, g) for k, v in (("fp16", "fp8"), ("fp8", "fp16"), ("fp8", "fp8")) for g in (8, 16)
+}
+
+
+def few_policies_space() -> SearchSpace:
+    return SearchSpace(SearchConfig.from_dict(FEW_POLICIES, ARCH), (tuple(range(4)),), 4)
+
+
+class RecordingMeasure:
+    """The analytic measurement, remembering every policy it was asked to measure."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.policies: list[tuple] = []
+        self.lock = threading.Lock()
+        self.delay_s = delay_s
+
+    def __call__(self, policy):
+        quantized = "fp8" in (policy.k_dtype, policy.v_dtype)
+        identity = (policy.k_dtype, policy.v_dtype)
+        with self.lock:
+            self.policies.append((*identity, policy.group_size) if quantized else identity)
+        time.sleep(self.delay_s)
+        return analytic_measure(policy)
+
+
+def few_policies_objective(measure, n_trials):
+    return TrialObjective(few_policies_space(), measure, OBJECTIVES, Constraints(), n_trials)
+
+
+def test_a_policy_is_measured_once_even_across_a_resume(tmp_path):
+    measure = RecordingMeasure()
+    settings, study = new_study(tmp_path)
+    study.sampler = optuna.samplers.RandomSampler(seed=0)
+    run_trials(study, few_policies_objective(measure, 4), 4)
+    settings, resumed = new_study(tmp_path)
+    resumed.sampler = optuna.samplers.RandomSampler(seed=1)
+    run_trials(resumed, few_policies_objective(measure, 7), 7)
+    assert sorted(measure.policies, key=str) == sorted(DISTINCT, key=str)  # each exactly once
+    trials = resumed.get_trials()
+    duplicates = [t for t in trials if DUPLICATE_ATTR in t.user_attrs]
+    assert duplicates and all(t.state == TrialState.PRUNED for t in duplicates)
+    assert sum(counted(t) for t in trials) == 7
+    records = trial_records(resumed)
+    assert len(records) == 7 and all(r.complete for r in records)
+
+
+def test_an_exhausted_space_stops_the_study_short_of_its_budget(tmp_path):
+    measure = RecordingMeasure()
+    settings, study = new_study(tmp_path)
+    study.sampler = optuna.samplers.TPESampler(seed=0, n_startup_trials=2)
+    objective = few_policies_objective(measure, 20)
+    finished = threading.Event()
+
+    def run() -> None:
+        run_trials(study, objective, 20)
+        finished.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    assert finished.wait(timeout=120), "the study kept asking for trials in an exhausted space"
+    assert objective.exhausted
+    assert sorted(measure.policies, key=str) == sorted(DISTINCT, key=str)
+    assert sum(t.state == TrialState.COMPLETE for t in study.get_trials()) == 7
+
+
+def test_two_workers_on_one_storage_never_measure_a_policy_twice(tmp_path):
+    measure = RecordingMeasure(delay_s=0.05)
+    settings, _ = new_study(tmp_path)
+
+    def worker(seed: int) -> None:
+        study = optuna.load_study(study_name=settings.name, storage=open_storage(settings))
+        study.sampler = optuna.samplers.RandomSampler(seed=seed)
+        run_trials(study, few_policies_objective(measure, 6), 6)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(measure.policies) == len(set(measure.policies)) == 6
+    assert set(measure.policies) <= DISTINCT
+    _, study = new_study(tmp_path)
+    assert len(trial_records(study)) == 6
+
+
+def test_repeats_in_an_older_study_are_listed_once(tmp_path):
+    settings, study = new_study(tmp_path)
+    policy = KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=16)
+    metrics, _ = analytic_measure(policy)
+    for stored in (policy, policy.replace(scale_dtype="e4m3"), policy, KVPolicy(group_size=8)):
+        # Trials 0 and 2 repeat a policy; so do 3 and 4 (fp16 keeps no scales: group size moot).
+        study.add_trial(
+            optuna.trial.create_trial(
+                values=[metrics["accuracy_retention"], metrics["kv_bytes_per_sequence"]],
+                user_attrs={"policy": stored.to_dict(), "metrics": metrics},
+            )
+        )
+    study.add_trial(
+        optuna.trial.create_trial(
+            values=[1.0, 1.0], user_attrs={"policy": KVPolicy(group_size=16).to_dict()}
+        )
+    )
+    records = trial_records(study)
+    assert [r.number for r in records] == [0, 1, 3]
+    assert records[1].policy.scale_dtype == "e4m3"
