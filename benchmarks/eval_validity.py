@@ -7,8 +7,9 @@ and about 2.5x the samples; `--heldout full` for the larger one, hours on CPU). 
 both retentions with their paired-bootstrap standard errors, greedy exact-match retention and
 KL divergence on each, and Spearman rank correlations between the suites (target >= 0.9 for
 accuracy retention). Each (policy, suite) result is cached under
-<kvtune cache>/eval-validity, keyed also by the source of the code that computes it, so an
-interrupted run resumes where it stopped and a code change never serves a stale row.
+<kvtune cache>/eval-validity, keyed by content (model files, suite and its task rows, policy,
+evaluation code), so an interrupted run resumes where it stopped and a change of code, weights
+or suite never serves a stale row.
 
     .venv/bin/python -m benchmarks.eval_validity [--cheap quick] [--heldout heldout]
         [--policies "fp16,fp8,..."] [--markdown]
@@ -17,19 +18,25 @@ interrupted run resumes where it stopped and a code change never serves a stale 
 from __future__ import annotations
 
 import argparse
-import functools
-import hashlib
 import os
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cache import JsonCache, default_cache_folder
+from autotune.cache import (
+    ACCURACY_CODE,
+    JsonCache,
+    code_fingerprint,
+    default_cache_folder,
+    model_fingerprint,
+)
 from autotune.evaluation import EvalSuite, evaluate, load_suite
+from autotune.evaluation.baseline_cache import suite_content_fingerprint
+from autotune.evaluation.evaluator import eval_cache_dir
+from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
 
 POLICIES: dict[str, KVPolicy] = {
@@ -68,31 +75,20 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ranks(np.asarray(a)), ranks(np.asarray(b)))[0, 1])
 
 
-# The packages whose code decides an evaluation's numbers.
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
-EVALUATION_SOURCES = ("kernels", "runtime", "autotune/evaluation")
-
-
-@functools.cache
-def source_fingerprint() -> str:
-    """SHA-256 prefix of every Python file under EVALUATION_SOURCES (paths and contents); read
-    once a run, as the running code cannot change under it."""
-    digest = hashlib.sha256()
-    for package in EVALUATION_SOURCES:
-        for path in sorted((PROJECT_ROOT / package).rglob("*.py")):
-            digest.update(str(path.relative_to(PROJECT_ROOT)).encode())
-            digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+def validity_key(policy: KVPolicy, suite: EvalSuite) -> dict:
+    """Content only: the model's files, the suite's definition and task rows, the policy and
+    the evaluation code (autotune/cache.py)."""
+    return {
+        "model": model_fingerprint(resolve_model(suite.model)),
+        "suite": suite_content_fingerprint(suite, eval_cache_dir()),
+        "policy": policy.to_dict(),
+        "code": code_fingerprint(*ACCURACY_CODE),
+    }
 
 
 def cached_evaluate(policy: KVPolicy, suite: EvalSuite, cache: JsonCache) -> dict:
     """evaluate(), read from the cache when this policy already ran on this suite and code."""
-    key = {
-        "code": source_fingerprint(),
-        "suite": suite.run_fingerprint(),
-        "data": suite.data_fingerprint(),
-        "policy": policy.to_dict(),
-    }
+    key = validity_key(policy, suite)
     result = cache.get(key)
     if result is None:
         result = evaluate(policy, suite)

@@ -2,26 +2,33 @@
 
 Every sampler searches the default CPU space (conf/search/default.yaml, layers grouped by the
 measured fp4 sensitivity) for two objectives measured on the real embedded model: the mean KL
-divergence of next-token distributions against the exact cache over a fixed prose passage
+divergence of next-token distributions against the exact cache over held-out Wikipedia prose
 (the fidelity signal behind accuracy retention; minimize) and KV bytes of one sequence at the
-passage's length relative to fp16 (the shared byte arithmetic; minimize). Each distinct
-canonical policy is measured once and cached on disk, so every sampler and seed reuses it.
+passage's length relative to fp16 (the shared byte arithmetic; minimize). The passage spans
+--chunks prefill chunks of the space's largest chunk_size (default 4), so later chunks read
+earlier ones from the quantized, compressed cache and recent windows and compressed sparse
+attention change what is scored (a passage inside one chunk scores them at KL ~0 while their
+byte savings count). Each distinct canonical policy is measured once and cached on disk by
+content (model files, passage tokens, policy, runtime, code), so every sampler and seed reuses it.
 
-Reported per sampler: the mean hypervolume after 10, 20, 30, 60 and 90 trials over the seeds,
-and the first trial count at which it reaches random search's 90-trial hypervolume (target: 30
-or fewer for tpe, nsga2 and gp). Random search runs --trials; the model-based samplers run
---model-trials (default 30: the target's budget; more shows their later curve). Hypervolume
-is the dominated area up to the reference point (bytes 1.0 = fp16, KL = --kl-ref).
+Reported per sampler: the hypervolume after 10, 20, 30, 60 and 90 trials, mean and standard
+deviation over the seeds, and the first trial count at which the mean curve reaches random
+search's final mean hypervolume (target: 30 or fewer for tpe, nsga2 and gp). Random search
+runs --trials; the model-based samplers run --model-trials (default 30: the target's budget).
+Hypervolume is the dominated area up to the reference point (bytes 1.0 = fp16, KL = --kl-ref).
 
-    .venv/bin/python -m benchmarks.search_efficiency [--trials 90] [--model-trials 30]
-        [--seeds 0,1,2] [--markdown]
+    .venv/bin/python -m benchmarks.search_efficiency [--trials 60] [--model-trials 30]
+        [--seeds 0,1,2] [--chunks 4] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import logging
 import math
+import random
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,8 +39,10 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cache import JsonCache, default_cache_folder, model_fingerprint
+from autotune.cache import JsonCache, code_fingerprint, default_cache_folder, model_fingerprint
+from autotune.evaluation import haystack
 from autotune.search.sensitivity import (
+    SENSITIVITY_CODE,
     RuntimeSettings,
     exact_runtime,
     group_layers,
@@ -52,48 +61,52 @@ MODEL = "smollm2-135m"
 SAMPLERS = ("random", "tpe", "nsga2", "gp")
 CHECKPOINTS = (10, 20, 30, 60, 90)
 SEARCH_FILE = Path(__file__).resolve().parent.parent / "conf" / "search" / "default.yaml"
-PASSAGE_TOKENS = 160
-PASSAGE = (
-    "The river rises in a bog on the northern slope of the mountain, at about 1,240 metres, "
-    "and flows south-east for 212 kilometres before it joins the sea near the old harbour "
-    "town. Its valley was settled early: stone tools found near the third bridge are dated "
-    "to around 4,500 years ago, and a Roman road followed the eastern bank. In the middle "
-    "ages the river drove eleven mills, of which two still stand; the larger, built in 1388, "
-    "ground grain until 1951 and is now a museum. Floods are frequent in spring, when snow "
-    "melts on the upper slopes; the worst on record, in March 1872, carried away four "
-    "bridges and drowned 37 people. Since 1964 a dam above the gorge has held back a "
-    "reservoir of 48 million cubic metres that supplies drinking water to the capital and "
-    "generates about 90 gigawatt-hours of electricity a year. The lower river is rich in "
-    "trout and salmon, and its estuary is a protected area for wading birds, among them "
-    "the curlew, the redshank and the rare spoonbill, which returned in 2009 after an "
-    "absence of more than a century. A long-distance footpath follows the river from its "
-    "source to the sea; walkers usually take eight to ten days, staying in villages whose "
-    "inns still bear the names of the mills and ferries that once served them. "
-)
+PASSAGE_SEED = "search-efficiency"
+
+
+def passage_ids(tokenizer: Tokenizer, tokens: int) -> list[int]:
+    """`tokens` token ids of held-out Wikipedia paragraphs (seeded draw, never in a haystack)."""
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text))
+
+    pool = haystack.held_out_paragraphs()
+    paragraphs = haystack.fill(random.Random(PASSAGE_SEED), pool, tokens + 64, count)
+    ids = tokenizer.encode("\n\n".join(paragraphs))
+    if len(ids) < tokens:
+        raise ValueError(f"the passage has {len(ids)} tokens, fewer than {tokens}")
+    return ids[:tokens]
+
+
+def fidelity_key(
+    model_hash: str, ids: Sequence[int], policy: KVPolicy, runtime: RuntimeSettings
+) -> dict:
+    """Content only: model files, passage tokens, canonical policy, runtime and the KL code."""
+    return {
+        "kind": "search-efficiency",
+        "model": model_hash,
+        "passage": hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16],
+        "policy": canonical(policy).to_dict(),
+        "runtime": vars(runtime),
+        "code": code_fingerprint(*SENSITIVITY_CODE),
+    }
 
 
 class FidelityOracle:
     """KL against the exact cache over the passage, one real prefill per new canonical policy."""
 
-    def __init__(self, runtime: RuntimeSettings, cache: JsonCache) -> None:
+    def __init__(self, runtime: RuntimeSettings, cache: JsonCache, tokens: int) -> None:
         self.runtime = runtime
         self.cache = cache
         folder = resolve_model(MODEL)
-        self.fingerprint = model_fingerprint(folder)
-        ids = Tokenizer.from_folder(folder).encode(PASSAGE * 3)
-        self.ids = ids[:PASSAGE_TOKENS]
+        self.model_hash = model_fingerprint(folder)
+        self.ids = passage_ids(Tokenizer.from_folder(folder), tokens)
         self.exact = exact_runtime(MODEL, runtime, len(self.ids))
         self.reference = self.exact.prompt_logits(self.ids)
         self.measured = 0
 
     def kl(self, policy: KVPolicy) -> float:
-        key = {
-            "kind": "search-efficiency",
-            "model": self.fingerprint,
-            "policy": canonical(policy).to_dict(),
-            "tokens": len(self.ids),
-            "runtime": vars(self.runtime),
-        }
+        key = fidelity_key(self.model_hash, self.ids, policy, self.runtime)
         cached = self.cache.get(key)
         if cached is not None:
             return float(cached["kl"])
@@ -128,7 +141,8 @@ def run_sampler(
     reference: tuple[float, float],
 ) -> list[float]:
     """Hypervolume after each trial of one seeded study (in memory; measurements cached)."""
-    fp16 = kv_bytes_per_sequence(arch, KVPolicy(k_dtype="fp16", v_dtype="fp16"), PASSAGE_TOKENS)
+    tokens = len(oracle.ids)
+    fp16 = kv_bytes_per_sequence(arch, KVPolicy(k_dtype="fp16", v_dtype="fp16"), tokens)
     settings = StudySettings(name=f"{name}-{seed}", sampler=name, seed=seed)
     study = optuna.create_study(directions=["minimize", "minimize"])
     study.sampler = make_sampler(settings, space, seed)
@@ -137,7 +151,7 @@ def run_sampler(
 
     def objective(trial: optuna.Trial) -> tuple[float, float]:
         policy = space.suggest(trial)
-        point = (oracle.kl(policy), kv_bytes_per_sequence(arch, policy, PASSAGE_TOKENS) / fp16)
+        point = (oracle.kl(policy), kv_bytes_per_sequence(arch, policy, tokens) / fp16)
         points.append((point[1], point[0]))
         curve.append(hypervolume(points, reference))
         return point
@@ -150,12 +164,35 @@ def first_reaching(curve: Sequence[float], target: float) -> int | None:
     return next((i + 1 for i, value in enumerate(curve) if value >= target), None)
 
 
+def spread(values: np.ndarray) -> str:
+    """Mean ± sample standard deviation over seeds (the mean alone for one seed)."""
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{values.mean():.4f} ± {values.std(ddof=1):.4f}"
+
+
+def summary_rows(
+    curves: dict[str, np.ndarray], marks: Sequence[int], target: float
+) -> list[list[str]]:
+    """Per sampler ([seeds, trials] hypervolumes): the spread at each mark, and the first trial
+    at which the mean curve reaches target (">N" when it never does)."""
+    rows = []
+    for name, runs in curves.items():
+        cells = [spread(runs[:, m - 1]) if m <= runs.shape[1] else "-" for m in marks]
+        reached = first_reaching(runs.mean(axis=0), target)
+        rows.append([name, *cells, str(reached) if reached is not None else f">{runs.shape[1]}"])
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=90, help="random search's trials")
+    parser.add_argument("--trials", type=int, default=60, help="random search's trials")
     parser.add_argument("--model-trials", type=int, default=30, help="tpe/nsga2/gp trials")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--samplers", default=",".join(SAMPLERS))
+    parser.add_argument(
+        "--chunks", type=int, default=4, help="passage length in largest prefill chunks"
+    )
     parser.add_argument("--kl-ref", type=float, default=0.5, help="reference KL (nats/token)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -171,42 +208,38 @@ def main() -> None:
     )
     groups = group_layers(profile.scores, config.num_groups(arch.num_layers))
     space = SearchSpace(config, groups, arch.num_layers)
-    oracle = FidelityOracle(runtime, JsonCache(default_cache_folder("search-efficiency")))
+    tokens = args.chunks * max(config.knobs["chunk_size"])
+    cache = JsonCache(default_cache_folder("search-efficiency"))
+    oracle = FidelityOracle(runtime, cache, tokens)
     reference = (1.0, args.kl_ref)
     seeds = [int(s) for s in args.seeds.split(",")]
-    samplers = args.samplers.split(",")
     curves = {}
-    for name in samplers:
+    for name in args.samplers.split(","):
         trials = args.trials if name == "random" else args.model_trials
         runs = [run_sampler(name, s, trials, space, arch, oracle, reference) for s in seeds]
-        curves[name] = np.array(runs).mean(axis=0)
-    target = float(curves["random"][-1]) if "random" in curves else math.nan
-    table = Table(
-        title=f"Hypervolume (KL vs KV bytes, ref bytes 1.0 / KL {args.kl_ref}) on {MODEL}, "
-        f"mean of seeds {args.seeds}; {oracle.measured} policies measured this run, "
-        f"{time.perf_counter() - started:.0f} s"
+        curves[name] = np.array(runs)
+    target = float(curves["random"].mean(axis=0)[-1]) if "random" in curves else math.nan
+    marks = [c for c in CHECKPOINTS if c <= max(args.trials, args.model_trials)]
+    header = ["sampler", *(f"HV@{m}" for m in marks), f"trials to random's HV@{args.trials}"]
+    rows = summary_rows(curves, marks, target)
+    title = (
+        f"Hypervolume (KL over {tokens} tokens vs KV bytes, ref bytes 1.0 / KL {args.kl_ref}) "
+        f"on {MODEL}, mean ± sd over seeds {args.seeds}; {oracle.measured} policies measured "
+        f"this run, {time.perf_counter() - started:.0f} s"
     )
-    table.add_column("sampler")
-    marks = [c for c in CHECKPOINTS if c <= args.trials]
-    for mark in marks:
-        table.add_column(f"HV@{mark}", justify="right")
-    table.add_column(f"trials to random's HV@{args.trials}", justify="right")
-    for name, curve in curves.items():
-        reached = first_reaching(curve, target)
-        table.add_row(
-            name,
-            *(f"{curve[m - 1]:.4f}" if m <= len(curve) else "-" for m in marks),
-            str(reached) if reached is not None else f">{len(curve)}",
-        )
-    Console(width=160).print(table)
     if args.markdown:
-        header = ["sampler", *(f"HV@{m}" for m in marks), f"trials to random HV@{args.trials}"]
+        print(title + "\n")
         print("| " + " | ".join(header) + " |")
         print("|" + "---|" * len(header))
-        for name, curve in curves.items():
-            reached = first_reaching(curve, target)
-            cells = [f"{curve[m - 1]:.4f}" if m <= len(curve) else "-" for m in marks]
-            print(f"| {name} | " + " | ".join(cells) + f" | {reached or f'>{len(curve)}'} |")
+        for row in rows:
+            print("| " + " | ".join(row) + " |")
+        return
+    table = Table(title=title)
+    for column in header:
+        table.add_column(column, justify="left" if column == "sampler" else "right")
+    for row in rows:
+        table.add_row(*row)
+    Console(width=160).print(table)
 
 
 if __name__ == "__main__":

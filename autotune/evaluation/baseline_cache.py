@@ -1,10 +1,10 @@
-"""The uncompressed baseline's results, computed once per model, suite and seed, then reused.
+"""The uncompressed baseline's results, computed once per model, suite and code, then reused.
 
 Every trial compares against the same baseline (auto K/V dtypes: the model's own precision, no
 compression), so it is scored once and stored under the kvtune cache as
-baselines/<key>.pt; a trial then pays only for its own policy. The key hashes the model
-folder, every suite setting but its name (seed, lengths, sizes, runtime), the baseline policy
-and the formats of the task files and of this file.
+baselines/<key>.pt; a trial then pays only for its own policy. The key is content only: the
+model files' hash, the suite's fingerprint (every setting but its name and model, and the task
+rows it generated), the baseline policy and the fingerprint of the code that scores it.
 """
 
 from __future__ import annotations
@@ -16,31 +16,49 @@ import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from autotune.evaluation import task_files
+from autotune.cache import ACCURACY_CODE, code_fingerprint, key_digest, model_fingerprint
 from autotune.evaluation.fidelity import ScoredRows
 from autotune.evaluation.scoring import TaskScore
 from autotune.evaluation.suite import EvalSuite
 from autotune.evaluation.suite_run import SuiteRun, run_suite
-from autotune.evaluation.task_files import TaskFolder
+from autotune.evaluation.task_files import TaskFolder, task_folder
+from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
+from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 BASELINE_POLICY = KVPolicy(k_dtype="auto", v_dtype="auto", csa_ratio=1)
-FORMAT_VERSION = 2  # bump when SuiteRun's stored fields change
+# Named elsewhere in a key by content (the model's files hash), or not deciding scores.
+IDENTITY_FIELDS = ("name", "model")
 
 
-def baseline_key(suite: EvalSuite, model_folder: Path) -> str:
-    data = {
-        "suite": suite.run_fingerprint(),
-        "model": str(model_folder),
+def suite_fingerprint(suite: EvalSuite, folder: TaskFolder) -> str:
+    """Content hash of a suite: its full definition except its name and model, and the task
+    rows it generated (so a changed generator misses even under the same settings)."""
+    definition = {k: v for k, v in suite.to_dict().items() if k not in IDENTITY_FIELDS}
+    text = json.dumps({"definition": definition, "rows": folder.rows}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def suite_content_fingerprint(suite: EvalSuite, root: Path) -> str:
+    """suite_fingerprint of the suite's task folder under root (written on first use)."""
+    model_folder = resolve_model(suite.model)
+    return suite_fingerprint(suite, task_folder(suite, Tokenizer.from_folder(model_folder), root))
+
+
+def baseline_key(suite: EvalSuite, folder: TaskFolder, model_folder: Path) -> dict[str, Any]:
+    return {
+        "kind": "baseline",
+        "model": model_fingerprint(model_folder),
+        "suite": suite_fingerprint(suite, folder),
         "policy": BASELINE_POLICY.to_dict(),
-        "versions": [task_files.FORMAT_VERSION, FORMAT_VERSION],
+        "code": code_fingerprint(*ACCURACY_CODE),
     }
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def save(path: Path, run: SuiteRun) -> None:
@@ -68,7 +86,7 @@ def baseline_run(
     suite: EvalSuite, folder: TaskFolder, model_folder: Path, root: Path
 ) -> tuple[SuiteRun, bool]:
     """(the baseline's run, whether it was computed now rather than read from the cache)."""
-    path = root / "baselines" / f"{baseline_key(suite, model_folder)}.pt"
+    path = root / "baselines" / f"{key_digest(baseline_key(suite, folder, model_folder))[:16]}.pt"
     if path.is_file():
         return load(path), False
     logger.info("scoring the uncompressed baseline once for the %s suite", suite.name)

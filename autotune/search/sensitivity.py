@@ -3,8 +3,9 @@
 DESIGN.md section 2: keys are usually more sensitive than values and some layers far more than
 others, but it differs by model, so kvtune measures it: for each layer, the mean KL divergence
 (nats per token) of the next-token distribution when only that layer's K, then only its V, is
-stored in fp4, against the exact cache, over a fixed text. The profile is cached per model
-(2 x num_layers prefills the first time, free afterwards). Layers are then grouped by their
+stored in fp4, against the exact cache, over a fixed text. The profile is cached by the model
+files' content, the runtime settings and the code that measures it (2 x num_layers prefills
+the first time, free afterwards). Layers are then grouped by their
 total cost so that the search assigns dtypes per group instead of per layer.
 """
 
@@ -14,11 +15,12 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from autotune.cache import JsonCache, key_digest, model_fingerprint
+from autotune.cache import JsonCache, code_fingerprint, model_fingerprint
 from runtime.arch import ModelArch
 from runtime.llm import LLM
 from runtime.policy import KVPolicy
@@ -35,6 +37,8 @@ PROFILE_TEXT = (
 )
 PROBE_DTYPE = "fp4"
 PROBE_GROUP = 32
+# What decides a profile besides the model and runtime settings (the text and probes are here).
+SENSITIVITY_CODE = ("kernels", "runtime", __name__)
 
 
 @dataclass(frozen=True)
@@ -103,17 +107,20 @@ def measure_sensitivity(
     return LayerSensitivity(tuple(costs["k"]), tuple(costs["v"]))
 
 
+def sensitivity_key(folder: Path, runtime: RuntimeSettings) -> dict[str, Any]:
+    return {
+        "kind": "sensitivity",
+        "model": model_fingerprint(folder),
+        "runtime": vars(runtime),
+        "code": code_fingerprint(*SENSITIVITY_CODE),
+    }
+
+
 def layer_sensitivity(
     model: str, folder: Path, arch: ModelArch, runtime: RuntimeSettings, cache: JsonCache
 ) -> LayerSensitivity:
     """The cached profile of a model, measured on first use."""
-    key = {
-        "kind": "sensitivity",
-        "model": model_fingerprint(folder),
-        "text": key_digest({"text": PROFILE_TEXT}),
-        "probe": [PROBE_DTYPE, PROBE_GROUP],
-        "runtime": vars(runtime),
-    }
+    key = sensitivity_key(folder, runtime)
     cached = cache.get(key)
     if cached is not None:
         return LayerSensitivity(tuple(cached["k_kl"]), tuple(cached["v_kl"]))

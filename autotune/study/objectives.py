@@ -5,13 +5,17 @@ uncompressed baseline (per task and overall, from `autotune.evaluation`), KV byt
 sequence at the workload's context (the shared byte arithmetic), TTFT and TPOT measured on the
 runtime at the workload's batch and context, P99 latency of a seeded trace, how many such
 sequences fit on the target device, and the roofline decode time predicted for that device.
-Measured numbers are cached (autotune/cache.py); arithmetic ones are recomputed, so the
-same cache serves every target device.
+Measured numbers are cached (autotune/cache.py) in two parts: accuracy, keyed by the model's
+content, the policy, the suite's content and the evaluation code; latency, keyed by the model,
+the policy, the workload, the runtime, the machine and the timing code, so another machine
+re-measures latencies but reuses accuracies. Arithmetic is recomputed, so the same cache serves
+every target device.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import time
@@ -22,10 +26,19 @@ from typing import Any
 
 import torch
 
-from autotune.cache import JsonCache, model_fingerprint
+from autotune.cache import (
+    ACCURACY_CODE,
+    LATENCY_CODE,
+    JsonCache,
+    code_fingerprint,
+    machine_fingerprint,
+    model_fingerprint,
+)
 from autotune.config.settings import DeviceSpec, ServeSettings
 from autotune.config.workload import Workload
-from autotune.evaluation import evaluate
+from autotune.evaluation import evaluate, load_suite
+from autotune.evaluation.baseline_cache import suite_content_fingerprint
+from autotune.evaluation.evaluator import eval_cache_dir
 from autotune.planning.capacity import kv_budget_bytes, max_num_seqs, predicted_decode_ms
 from autotune.search.sensitivity import RuntimeSettings
 from autotune.study.latency import measure_latency
@@ -157,9 +170,24 @@ class TrialContext:
     runtime: RuntimeSettings
 
 
-def measured_metrics(policy: KVPolicy, context: TrialContext) -> dict[str, float]:
-    """Accuracy and latency of the policy on the runtime (the expensive, cacheable part)."""
+def accuracy_metrics(policy: KVPolicy, context: TrialContext) -> dict[str, float]:
+    """Accuracy retention, fidelity and per-task retention of the policy on the suite."""
     accuracy = evaluate(policy, context.suite)
+    if accuracy.get("accuracy_retention") is None:
+        raise TrialFailure(f"the {context.suite['name']} suite reported no accuracy_retention")
+    fidelity = {k: float(accuracy[k]) for k in FIDELITY_METRICS if accuracy.get(k) is not None}
+    return {
+        "accuracy_retention": float(accuracy["accuracy_retention"]),
+        **fidelity,
+        "eval_seconds": float(accuracy["seconds"]),
+        **{f"task.{name}": value for name, value in _task_retention(accuracy).items()},
+    }
+
+
+def latency_metrics(policy: KVPolicy, context: TrialContext) -> dict[str, float]:
+    """TTFT, TPOT and trace latencies (ms) of the policy on the runtime at the workload's shape;
+    latency_seconds: what loading and timing cost (s)."""
+    started = time.perf_counter()
     workload = context.workload
     llm = LLM(
         context.model,
@@ -171,16 +199,8 @@ def measured_metrics(policy: KVPolicy, context: TrialContext) -> dict[str, float
         max_model_len=workload.max_model_len,
     )
     latency = measure_latency(llm, workload)
-    if accuracy.get("accuracy_retention") is None:
-        raise TrialFailure(f"the {context.suite['name']} suite reported no accuracy_retention")
-    fidelity = {k: float(accuracy[k]) for k in FIDELITY_METRICS if accuracy.get(k) is not None}
-    return {
-        "accuracy_retention": float(accuracy["accuracy_retention"]),
-        **fidelity,
-        "eval_seconds": float(accuracy["seconds"]),
-        **{f"task.{name}": value for name, value in _task_retention(accuracy).items()},
-        **{k: float(v) for k, v in vars(latency).items()},
-    }
+    measured = {k: float(v) for k, v in vars(latency).items()}
+    return {**measured, "latency_seconds": time.perf_counter() - started}
 
 
 def _task_retention(accuracy: Mapping[str, Any]) -> dict[str, float]:
@@ -196,44 +216,78 @@ def _task_retention(accuracy: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TrialEvaluator:
-    """Measures policies for one study: cached measurements plus target-device arithmetic."""
+    """Measures policies for one study: cached measurements plus target-device arithmetic.
 
-    def __init__(self, context: TrialContext, cache: JsonCache | None) -> None:
+    machine: what timed the latencies (default: this one, autotune.cache.machine_fingerprint).
+    """
+
+    def __init__(
+        self,
+        context: TrialContext,
+        cache: JsonCache | None,
+        machine: Mapping[str, Any] | None = None,
+    ) -> None:
         self.context = context
         self.cache = cache
-        self.fingerprint = model_fingerprint(context.folder)
+        self.machine = dict(machine or machine_fingerprint(context.runtime.device))
 
-    def cache_key(self, policy: KVPolicy) -> dict[str, Any]:
-        ctx = self.context
+    @functools.cached_property
+    def model_hash(self) -> str:
+        """The model files' content hash (their bytes read once a process)."""
+        return model_fingerprint(self.context.folder)
+
+    @functools.cached_property
+    def suite_hash(self) -> str:
+        """The suite's definition and generated task rows (the tasks written on first use)."""
+        return suite_content_fingerprint(load_suite(self.context.suite), eval_cache_dir())
+
+    def accuracy_key(self, policy: KVPolicy) -> dict[str, Any]:
         return {
-            "kind": "trial",
-            "model": self.fingerprint,
+            "kind": "accuracy",
+            "model": self.model_hash,
             "policy": policy.to_dict(),
-            "suite": dict(ctx.suite),
-            "workload": dataclasses.asdict(ctx.workload),
+            "suite": self.suite_hash,
+            "code": code_fingerprint(*ACCURACY_CODE),
+        }
+
+    def latency_key(self, policy: KVPolicy) -> dict[str, Any]:
+        ctx = self.context
+        workload = {k: v for k, v in dataclasses.asdict(ctx.workload).items() if k != "name"}
+        return {
+            "kind": "latency",
+            "model": self.model_hash,
+            "policy": policy.to_dict(),
+            "workload": workload,
             "runtime": vars(ctx.runtime),
+            "machine": self.machine,
+            "code": code_fingerprint(*LATENCY_CODE),
         }
 
     def __call__(self, policy: KVPolicy) -> tuple[dict[str, float], bool]:
-        """(metrics, whether they came from the cache); raises TrialFailure."""
+        """(metrics, whether every measured part came from the cache); raises TrialFailure."""
         ctx = self.context
+        parts = ((self.accuracy_key, accuracy_metrics), (self.latency_key, latency_metrics))
+        measured: dict[str, float] = {}
+        fresh: list[tuple[dict[str, Any], dict[str, float]]] = []
         try:
             arithmetic = capacity_metrics(ctx.arch, policy, ctx.device, ctx.serve, ctx.workload)
-            key = self.cache_key(policy)
-            measured = self.cache.get(key) if self.cache else None
-            cached = measured is not None
-            if measured is None:
-                start = time.perf_counter()
-                measured = measured_metrics(policy, ctx)
-                measured["measure_seconds"] = time.perf_counter() - start
+            for key_of, measure in parts:
+                key = key_of(policy)
+                values = self.cache.get(key) if self.cache else None
+                if values is None:
+                    values = measure(policy, ctx)
+                    fresh.append((key, values))
+                measured.update(values)
         except ConfigError as error:
             raise TrialFailure(f"invalid combination: {error}") from error
         except (torch.OutOfMemoryError, MemoryError) as error:
             raise TrialFailure(f"out of memory: {error}") from error
+        measured["measure_seconds"] = measured["eval_seconds"] + measured["latency_seconds"]
         metrics = {**measured, **arithmetic}
         bad = [name for name, value in metrics.items() if not math.isfinite(value)]
         if bad:
             raise TrialFailure(f"non-finite metrics (NaN/inf): {', '.join(bad)}")
-        if self.cache and not cached:
-            self.cache.put(key, measured)
-        return metrics, cached
+        if self.cache:
+            for key, values in fresh:
+                self.cache.put(key, values)
+        return metrics, not fresh
