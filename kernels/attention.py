@@ -156,9 +156,11 @@ def _stream_attention_kernel(
     K_CODE: tl.constexpr,
     K_GROUP_SIZE: tl.constexpr,
     K_SCALE_E4M3: tl.constexpr,
+    K_TOKEN_GROUP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_GROUP_SIZE: tl.constexpr,
     V_SCALE_E4M3: tl.constexpr,
+    V_TOKEN_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -221,6 +223,7 @@ def _stream_attention_kernel(
             K_CODE,
             K_GROUP_SIZE,
             K_SCALE_E4M3,
+            K_TOKEN_GROUP,
         )
         logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 + bias_log2
         seen = row_valid[:, None] & key_valid[None, :]
@@ -252,6 +255,7 @@ def _stream_attention_kernel(
             V_CODE,
             V_GROUP_SIZE,
             V_SCALE_E4M3,
+            V_TOKEN_GROUP,
         )
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
         m_i = m_new

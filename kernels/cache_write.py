@@ -37,9 +37,11 @@ def _write_kv_kernel(
     K_CODE: tl.constexpr,
     K_GROUP_SIZE: tl.constexpr,
     K_SCALE_E4M3: tl.constexpr,
+    K_TOKEN_GROUP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_GROUP_SIZE: tl.constexpr,
     V_SCALE_E4M3: tl.constexpr,
+    V_TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -105,6 +107,12 @@ def _check_write(
         )
     if slot_mapping.dim() != 1 or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping: must be 1-D int32 or int64, got {slot_mapping.dtype}")
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.fmt.token_group > 1:
+            raise ValueError(
+                f"{name}: {pool.fmt} shares scales across tokens; it is written a whole block "
+                "at a time (compress_blocks with ratio 1), never token by token"
+            )
 
 
 def write_kv(

@@ -8,6 +8,9 @@ block leaving the unquantized recent window into a quantized pool. Call once for
 
 Summary j of source block m goes to dst_slots[m * (block_size / ratio) + j]; a negative slot
 skips it. The mean is sum_t x_t (t in token order) / ratio, in fp32.
+
+A token-grouped destination (per-channel scales over a block) takes only ratio-1 copies of whole
+blocks into whole, aligned destination blocks: each token group is quantized at once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from kernels.quantize import (
     format_switches,
     load_dequant_tile,
     quantize_store_tile,
+    quantize_store_token_groups,
     vector_tiles,
 )
 
@@ -43,9 +47,11 @@ def _compress_kernel(
     SRC_CODE: tl.constexpr,
     SRC_GROUP_SIZE: tl.constexpr,
     SRC_SCALE_E4M3: tl.constexpr,
+    SRC_TOKEN_GROUP: tl.constexpr,
     DST_CODE: tl.constexpr,
     DST_GROUP_SIZE: tl.constexpr,
     DST_SCALE_E4M3: tl.constexpr,
+    DST_TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -74,6 +80,7 @@ def _compress_kernel(
         SRC_CODE,
         SRC_GROUP_SIZE,
         SRC_SCALE_E4M3,
+        SRC_TOKEN_GROUP,
     )
     for token in tl.static_range(1, RATIO):
         total += load_dequant_tile(
@@ -89,6 +96,7 @@ def _compress_kernel(
             SRC_CODE,
             SRC_GROUP_SIZE,
             SRC_SCALE_E4M3,
+            SRC_TOKEN_GROUP,
         )
     mean = tl.math.div_rn(total, tl.full(total.shape, RATIO, tl.float32))
     quantize_store_tile(
@@ -99,6 +107,67 @@ def _compress_kernel(
         heads,
         mask,
         mean,
+        NUM_HEADS,
+        HEAD_DIM,
+        DST_CODE,
+        DST_GROUP_SIZE,
+        DST_SCALE_E4M3,
+    )
+
+
+@triton.jit
+def _copy_token_groups_kernel(
+    src_codes_ptr,
+    src_scales_ptr,
+    src_tensor_scale_ptr,
+    src_block_ids_ptr,
+    dst_codes_ptr,
+    dst_scales_ptr,
+    dst_tensor_scale_ptr,
+    dst_slots_ptr,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    SRC_CODE: tl.constexpr,
+    SRC_GROUP_SIZE: tl.constexpr,
+    SRC_SCALE_E4M3: tl.constexpr,
+    SRC_TOKEN_GROUP: tl.constexpr,
+    DST_CODE: tl.constexpr,
+    DST_GROUP_SIZE: tl.constexpr,
+    DST_SCALE_E4M3: tl.constexpr,
+    DST_TOKEN_GROUP: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """One program: one destination token group of one head. Grid: (blocks * groups, heads)."""
+    GROUPS_PER_BLOCK: tl.constexpr = BLOCK_SIZE // DST_TOKEN_GROUP
+    group = tl.program_id(0)
+    head = tl.program_id(1)
+    block = tl.load(src_block_ids_ptr + group // GROUPS_PER_BLOCK).to(tl.int64)
+    offset = (group % GROUPS_PER_BLOCK) * DST_TOKEN_GROUP
+    src_rows = block * BLOCK_SIZE + offset + tl.arange(0, DST_TOKEN_GROUP)
+    dst_first_row = tl.load(dst_slots_ptr + group * DST_TOKEN_GROUP)
+    values = load_dequant_tile(
+        src_codes_ptr,
+        src_scales_ptr,
+        src_tensor_scale_ptr,
+        src_rows,
+        head,
+        tl.full((DST_TOKEN_GROUP,), True, tl.int1),
+        tl.arange(0, BLOCK_D),
+        NUM_HEADS,
+        HEAD_DIM,
+        SRC_CODE,
+        SRC_GROUP_SIZE,
+        SRC_SCALE_E4M3,
+        SRC_TOKEN_GROUP,
+    )
+    quantize_store_token_groups(
+        dst_codes_ptr,
+        dst_scales_ptr,
+        dst_tensor_scale_ptr,
+        dst_first_row,
+        head,
+        values,
         NUM_HEADS,
         HEAD_DIM,
         DST_CODE,
@@ -126,6 +195,11 @@ def _check_compress(
     for name, index in (("src_block_ids", src_block_ids), ("dst_slots", dst_slots)):
         if index.dim() != 1 or index.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name}: must be 1-D int32 or int64, got {index.dtype}")
+    if dst_pool.fmt.token_group > 1 and ratio != 1:
+        raise ValueError(
+            f"ratio={ratio}: {dst_pool.fmt} shares scales across tokens and takes only whole "
+            "blocks (ratio 1)"
+        )
     expected = src_block_ids.shape[0] * (src_pool.block_size // ratio)
     if dst_slots.shape[0] != expected:
         raise ValueError(
@@ -148,6 +222,9 @@ def compress_blocks(
     num_vectors = dst_slots.shape[0] * num_heads
     if num_vectors == 0:
         return
+    if dst_pool.fmt.token_group > 1:
+        _copy_token_groups(src_pool, src_block_ids, dst_pool, dst_slots)
+        return
     programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
     _compress_kernel[(programs,)](
         src_pool.codes,
@@ -165,6 +242,30 @@ def compress_blocks(
         RATIO=ratio,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
+        **format_switches(src_pool.fmt, "SRC_"),
+        **format_switches(dst_pool.fmt, "DST_"),
+    )
+
+
+def _copy_token_groups(
+    src_pool: KVPool, src_block_ids: torch.Tensor, dst_pool: KVPool, dst_slots: torch.Tensor
+) -> None:
+    """Ratio-1 copy of whole blocks into a token-grouped pool (dst_slots: whole, aligned
+    blocks, as the block manager hands out)."""
+    groups = dst_slots.shape[0] // dst_pool.fmt.token_group
+    _copy_token_groups_kernel[(groups, src_pool.num_heads)](
+        src_pool.codes,
+        src_pool.scales if src_pool.scales is not None else src_pool.codes,
+        src_pool.tensor_scale,
+        src_block_ids.contiguous(),
+        dst_pool.codes,
+        dst_pool.scales,
+        dst_pool.tensor_scale,
+        dst_slots.contiguous(),
+        NUM_HEADS=src_pool.num_heads,
+        HEAD_DIM=src_pool.head_dim,
+        BLOCK_SIZE=src_pool.block_size,
+        BLOCK_D=triton.next_power_of_2(src_pool.head_dim),
         **format_switches(src_pool.fmt, "SRC_"),
         **format_switches(dst_pool.fmt, "DST_"),
     )

@@ -42,14 +42,22 @@ class KVFormat:
         integer formats refuse: they need a zero point per group. Ignored when unquantized.
     scale_dtype: fp16, or e4m3 (NVFP4-style: E4M3 group scales times an fp32 tensor scale).
         Zero points are stored in the scale dtype, so the integer formats need fp16.
+    token_group: consecutive tokens of a block sharing each scale: 1 (per-token scales) or a
+        divisor of the block size. group_size 1 with token_group = block_size is KIVI's
+        per-channel key layout: one scale (and zero point) per channel per block, which follows
+        the fixed outlier channels of keys instead of letting them set every token's scale. Such
+        a group is quantized once all its tokens are there (a whole-block copy), never by a
+        per-token write.
 
     Stored per vector: codes, then the scales buffer holds the group scales [groups] followed,
-    for formats with a zero point, by the group zero points [groups].
+    for formats with a zero point, by the group zero points [groups]; with token_group > 1 one
+    such row serves token_group consecutive slots.
     """
 
     dtype: str
     group_size: int | None = None
     scale_dtype: str = "fp16"
+    token_group: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BITS:
@@ -58,11 +66,19 @@ class KVFormat:
             raise ValueError(f"scale_dtype={self.scale_dtype!r}: allowed {sorted(SCALE_BYTES)}")
         if not self.quantized:
             object.__setattr__(self, "group_size", None)
+            object.__setattr__(self, "token_group", 1)
         elif self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"group_size={self.group_size!r}: must be a positive int or None")
         elif self.zero_point and self.group_size is None:
             raise ValueError(
                 f"group_size=None: {self.dtype} needs a group size (a zero point per group)"
+            )
+        if not isinstance(self.token_group, int) or self.token_group < 1:
+            raise ValueError(f"token_group={self.token_group!r}: must be a positive int")
+        if self.token_group > 1 and self.group_size is None:
+            raise ValueError(
+                f"token_group={self.token_group}: needs group scales (a quantized format with a "
+                "group_size)"
             )
         if self.zero_point and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
             raise ValueError(
@@ -113,10 +129,26 @@ class KVFormat:
 
     def vector_bytes(self, head_dim: int) -> int:
         """Bytes one cached vector (one token, one head) costs: codes plus its group scales and
-        zero points."""
+        zero points. Only per-token scales give every vector its own bytes (see block_bytes)."""
+        if self.token_group > 1:
+            raise ValueError(
+                f"token_group={self.token_group}: scales are shared by tokens, use block_bytes"
+            )
+        return self.block_bytes(head_dim, 1)
+
+    def check_block_size(self, block_size: int) -> None:
+        """Raise if a block of block_size tokens does not split into whole token groups."""
+        if block_size % self.token_group:
+            raise ValueError(f"token_group={self.token_group}: must divide block_size={block_size}")
+
+    def block_bytes(self, head_dim: int, block_size: int) -> int:
+        """Bytes one block of block_size vectors (one head) costs: codes plus the scales and
+        zero points of its token groups."""
         self.check_head_dim(head_dim)
+        self.check_block_size(block_size)
+        scale_rows = block_size // self.token_group
         scale_bytes = self.scales_per_vector(head_dim) * SCALE_BYTES[self.scale_dtype]
-        return self.code_bytes(head_dim) + scale_bytes
+        return block_size * self.code_bytes(head_dim) + scale_rows * scale_bytes
 
     @property
     def code_torch_dtype(self) -> torch.dtype:
@@ -135,8 +167,10 @@ class KVFormat:
         device: torch.device | str = "cpu",
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Allocate a paged pool: codes [blocks, block_size, heads, code width] and scales
-        [blocks, block_size, heads, scales_per_vector] (None when the format keeps none)."""
+        [blocks, block_size / token_group, heads, scales_per_vector] (None when the format
+        keeps none)."""
         self.check_head_dim(head_dim)
+        self.check_block_size(block_size)
         width = head_dim if not self.quantized else self.code_bytes(head_dim)
         codes = torch.zeros(
             num_blocks, block_size, num_heads, width, dtype=self.code_torch_dtype, device=device
@@ -145,6 +179,11 @@ class KVFormat:
         if groups == 0:
             return codes, None
         scales = torch.zeros(
-            num_blocks, block_size, num_heads, groups, dtype=self.scale_torch_dtype, device=device
+            num_blocks,
+            block_size // self.token_group,
+            num_heads,
+            groups,
+            dtype=self.scale_torch_dtype,
+            device=device,
         )
         return codes, scales

@@ -29,9 +29,9 @@ class KVPool:
     codes: [num_blocks, block_size, num_heads, width] in fmt's code dtype (width = head_dim for
         fp32/fp16/bf16, else head_dim * bits / 8 code bytes: fp8/int8 one a code, fp4/int4 two
         codes a byte, int2 four).
-    scales: [num_blocks, block_size, num_heads, fmt.scales_per_vector] fp16 or uint8 E4M3 group
-        scales (followed by the group zero points for the integer formats), or None when fmt
-        keeps none.
+    scales: [num_blocks, block_size / fmt.token_group, num_heads, fmt.scales_per_vector] fp16
+        or uint8 E4M3 group scales (followed by the group zero points for the integer formats),
+        or None when fmt keeps none.
     tensor_scale: positive fp32 one-element tensor multiplying every dequantized value of a
         quantized format (see `kernels.quantize`); None means 1.
     """
@@ -51,8 +51,10 @@ class KVPool:
             self.fmt, head_dim
         ):
             raise ValueError(f"codes: dtype {codes.dtype} does not store {self.fmt}")
+        self.fmt.check_block_size(codes.shape[1])
         groups = self.fmt.scales_per_vector(head_dim)
-        expected = (*codes.shape[:3], groups)
+        rows = codes.shape[1] // self.fmt.token_group
+        expected = (codes.shape[0], rows, codes.shape[2], groups)
         if groups == 0 and self.scales is not None:
             raise ValueError(f"scales: must be None for {self.fmt}")
         if groups and (self.scales is None or tuple(self.scales.shape) != expected):
@@ -102,7 +104,9 @@ def read_vectors_ref(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
     """fp32 vectors [len(slots), num_heads, head_dim] stored at slots (readable, slow)."""
     slots = slots.long()
     codes = pool.codes.flatten(0, 1)[slots]
-    scales = pool.scales.flatten(0, 1)[slots] if pool.scales is not None else None
+    scales = None
+    if pool.scales is not None:
+        scales = pool.scales.flatten(0, 1)[slots // pool.fmt.token_group]
     return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
 
 
@@ -111,15 +115,31 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     lists, in order. Gathers whole blocks (a contiguous copy each), far cheaper than slots."""
     table = table.long()
     codes = pool.codes[table].flatten(1, 2)
-    scales = pool.scales[table].flatten(1, 2) if pool.scales is not None else None
+    scales = None
+    if pool.scales is not None:
+        scales = pool.scales[table].repeat_interleave(pool.fmt.token_group, dim=2).flatten(1, 2)
     return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
 
 
 def write_vectors_ref(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> None:
-    """Quantize vectors [len(slots), num_heads, head_dim] into pool at slots; slot < 0 skips."""
+    """Quantize vectors [len(slots), num_heads, head_dim] into pool at slots; slot < 0 skips.
+    A token-grouped pool takes whole token groups: slots in runs of token_group consecutive
+    slots, each run starting at a multiple of token_group."""
     keep = slots >= 0
     slots = slots[keep].long()
+    rows = pool.fmt.token_group
+    if rows > 1 and not _whole_token_groups(slots, rows):
+        raise ValueError(f"slots: {pool.fmt} needs whole, aligned runs of {rows} slots")
     codes, scales = quantize_ref(vectors[keep], pool.fmt, pool.tensor_scale)
     pool.codes.flatten(0, 1)[slots] = codes
     if scales is not None:
-        pool.scales.flatten(0, 1)[slots] = scales
+        pool.scales.flatten(0, 1)[slots[::rows] // rows] = scales
+
+
+def _whole_token_groups(slots: torch.Tensor, rows: int) -> bool:
+    """Whether slots are runs of `rows` consecutive slots, each starting at a multiple of rows."""
+    if len(slots) % rows:
+        return False
+    runs = slots.unflatten(0, (-1, rows))
+    consecutive = runs == runs[:, :1] + torch.arange(rows, device=slots.device)
+    return bool(consecutive.all() and (runs[:, 0] % rows == 0).all())

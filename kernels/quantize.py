@@ -39,9 +39,15 @@ Device helpers for other kernels (cache writes, attention, compression) address 
     quantize_store_tile(codes_ptr, scales_ptr, tensor_scale_ptr, rows, head, mask, values,
                         NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
 
-`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 constexprs of a format. A
-format with a zero point keeps it in the scales buffer, after the vector's group scales, so the
-helpers need no extra pointer.
+`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 / TOKEN_GROUP constexprs of a
+format. A format with a zero point keeps it in the scales buffer, after the vector's group
+scales, so the helpers need no extra pointer.
+
+Token-grouped formats (TOKEN_GROUP > 1, e.g. per-channel key scales over a block) share one row
+of scales among TOKEN_GROUP consecutive rows: a group is the group_size elements of a channel
+group across those rows, its scale and zero point follow the same rules over all of them, and
+`quantize_store_token_groups` writes whole groups at once (`quantize_store_tile` writes
+per-token formats only). Reading needs only the scale row: row // TOKEN_GROUP.
 """
 
 from __future__ import annotations
@@ -78,21 +84,23 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
 
     CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1 or CODE_UINT + bits
     (asymmetric integer codes with zero points); GROUP_SIZE: elements a group scale covers, 0
-    for none; SCALE_E4M3: group scales are E4M3 codes, not fp16.
+    for none; SCALE_E4M3: group scales are E4M3 codes, not fp16; TOKEN_GROUP: consecutive rows
+    sharing a row of scales.
     """
     return {
         f"{prefix}CODE": fmt.element.code if fmt.quantized else CODE_FLOAT.value,
         f"{prefix}GROUP_SIZE": fmt.group_size or 0,
         f"{prefix}SCALE_E4M3": fmt.quantized and fmt.scale_dtype == "e4m3",
+        f"{prefix}TOKEN_GROUP": fmt.token_group,
     }
 
 
 def check_kernel_format(fmt: KVFormat, head_dim: int) -> None:
     """Raise if the Triton helpers cannot handle this format (group sizes are powers of two)."""
     fmt.check_head_dim(head_dim)
-    group = fmt.group_size
-    if group is not None and group & (group - 1):
-        raise ValueError(f"group_size={group}: the Triton kernels need a power of two")
+    for name, size in (("group_size", fmt.group_size), ("token_group", fmt.token_group)):
+        if size is not None and size & (size - 1):
+            raise ValueError(f"{name}={size}: the Triton kernels need a power of two")
 
 
 def code_width(fmt: KVFormat, head_dim: int) -> int:
@@ -134,13 +142,14 @@ def load_dequant_tile(
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     SCALE_E4M3: tl.constexpr,
+    TOKEN_GROUP: tl.constexpr,
 ):
     """fp32 tile [len(rows), len(dims)] of dequantized vectors.
 
-    Vector (row, head) lives at codes[row, head, :] and scales[row, head, :] of contiguous
-    buffers [*, NUM_HEADS, width] and [*, NUM_HEADS, HEAD_DIM / GROUP_SIZE]. rows: int tile
-    [R] (int32 or int64); head: scalar or int tile [R]; mask: bool [R]; dims: int tile [C] of
-    element indices. Masked rows and dims >= HEAD_DIM read as 0. scales_ptr is read only when
+    Vector (row, head) lives at codes[row, head, :] and scales[row // TOKEN_GROUP, head, :] of
+    contiguous buffers [*, NUM_HEADS, width] and [*, NUM_HEADS, HEAD_DIM / GROUP_SIZE]. rows:
+    int tile [R] (int32 or int64); head: scalar or int tile [R]; mask: bool [R]; dims: int tile
+    [C] of element indices. Masked rows and dims >= HEAD_DIM read as 0. scales_ptr is read only when
     GROUP_SIZE > 0 (pass any pointer otherwise); tensor_scale_ptr (fp32, one element, > 0) for
     quantized formats.
     """
@@ -170,7 +179,8 @@ def load_dequant_tile(
             ZERO_POINT: tl.constexpr = CODE > CODE_UINT
             NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE
             PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
-            offsets = vectors[:, None] * (NUM_GROUPS * PARAMS) + dims[None, :] // GROUP_SIZE
+            scale_rows = (rows.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head
+            offsets = scale_rows[:, None] * (NUM_GROUPS * PARAMS) + dims[None, :] // GROUP_SIZE
             stored = tl.load(scales_ptr + offsets, mask=dmask, other=0)
             values = values * (decode_e4m3(stored) if SCALE_E4M3 else stored.to(tl.float32))
             if ZERO_POINT:
@@ -222,6 +232,48 @@ def _group_parameters(
 
 
 @triton.jit
+def _store_codes(
+    codes_ptr,
+    vectors,
+    mask,
+    scaled,
+    HEAD_DIM: tl.constexpr,
+    CODE: tl.constexpr,
+):
+    """Encode a tile [R, BLOCK_D] already in code units and store it, packed, at vectors."""
+    BLOCK_R: tl.constexpr = scaled.shape[0]
+    BLOCK_D: tl.constexpr = scaled.shape[1]
+    BITS: tl.constexpr = 8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
+    PER_BYTE: tl.constexpr = 8 // BITS
+    if CODE == CODE_E4M3:
+        codes = encode_e4m3(scaled).to(tl.int32)
+    elif CODE == CODE_E2M1:
+        codes = encode_e2m1(scaled).to(tl.int32)
+    else:
+        codes = encode_uint(scaled, BITS)
+    if PER_BYTE > 1:
+        # Element i goes to bit (i % PER_BYTE) * BITS of byte i // PER_BYTE; the bit fields do
+        # not overlap, so their sum is their bitwise or.
+        shifts = tl.arange(0, PER_BYTE) * BITS
+        per_byte = tl.reshape(codes, (BLOCK_R, BLOCK_D // PER_BYTE, PER_BYTE))
+        codes = tl.sum(per_byte << shifts[None, None, :], axis=2)
+    byte_dims = tl.arange(0, BLOCK_D // PER_BYTE)
+    offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + byte_dims[None, :]
+    byte_mask = mask[:, None] & (byte_dims[None, :] < HEAD_DIM // PER_BYTE)
+    tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=byte_mask)
+
+
+@triton.jit
+def _to_code_units(grouped, scale, zero, ZERO_POINT: tl.constexpr):
+    """(x - zero) / scale per group (0 where a group's scale is 0); grouped [..., G, n] with
+    scale and zero broadcastable to it."""
+    if ZERO_POINT:
+        grouped = grouped - zero
+    divisor = tl.broadcast_to(tl.where(scale == 0.0, 1.0, scale), grouped.shape)
+    return tl.where(scale == 0.0, 0.0, tl.math.div_rn(grouped, divisor))
+
+
+@triton.jit
 def quantize_store_tile(
     codes_ptr,
     scales_ptr,
@@ -239,8 +291,8 @@ def quantize_store_tile(
     """Quantize an fp32 tile [R, BLOCK_D] of whole vectors and store codes and group scales.
 
     values[:, d] is element d (BLOCK_D = values.shape[1], a power of two >= HEAD_DIM; columns
-    >= HEAD_DIM are ignored). Addressing as in `load_dequant_tile`; masked rows store nothing.
-    Unquantized formats store values cast to the codes buffer's dtype.
+    >= HEAD_DIM are ignored). Addressing as in `load_dequant_tile` (per-token formats only);
+    masked rows store nothing. Unquantized formats store values cast to the codes buffer's dtype.
     """
     BLOCK_R: tl.constexpr = values.shape[0]
     BLOCK_D: tl.constexpr = values.shape[1]
@@ -252,16 +304,15 @@ def quantize_store_tile(
         stored = cast_for_store(values, codes_ptr.dtype.element_ty)
         tl.store(codes_ptr + offsets, stored, mask=dmask)
     else:
-        BITS: tl.constexpr = (
-            8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
-        )
-        PER_BYTE: tl.constexpr = 8 // BITS
         tensor_scale = tl.full(values.shape, tl.load(tensor_scale_ptr), tl.float32)
         scaled = tl.where(dmask, tl.math.div_rn(values, tensor_scale), 0.0)
         if GROUP_SIZE > 0:
             NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
             grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
             ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+            BITS: tl.constexpr = (
+                8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
+            )
             MAX_CODE: tl.constexpr = (
                 448.0 if CODE == CODE_E4M3 else (6.0 if CODE == CODE_E2M1 else 2.0**BITS - 1)
             )
@@ -276,27 +327,60 @@ def quantize_store_tile(
                 MAX_CODE,
                 ZERO_POINT,
             )
-            if ZERO_POINT:
-                grouped = grouped - zero[:, :, None]
-            divisor = tl.broadcast_to(tl.where(scale == 0.0, 1.0, scale)[:, :, None], grouped.shape)
-            grouped = tl.where(scale[:, :, None] == 0.0, 0.0, tl.math.div_rn(grouped, divisor))
+            grouped = _to_code_units(grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT)
             scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
-        if CODE == CODE_E4M3:
-            codes = encode_e4m3(scaled).to(tl.int32)
-        elif CODE == CODE_E2M1:
-            codes = encode_e2m1(scaled).to(tl.int32)
-        else:
-            codes = encode_uint(scaled, BITS)
-        if PER_BYTE > 1:
-            # Element i goes to bit (i % PER_BYTE) * BITS of byte i // PER_BYTE; the bit fields
-            # do not overlap, so their sum is their bitwise or.
-            shifts = tl.arange(0, PER_BYTE) * BITS
-            per_byte = tl.reshape(codes, (BLOCK_R, BLOCK_D // PER_BYTE, PER_BYTE))
-            codes = tl.sum(per_byte << shifts[None, None, :], axis=2)
-        byte_dims = tl.arange(0, BLOCK_D // PER_BYTE)
-        offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + byte_dims[None, :]
-        byte_mask = mask[:, None] & (byte_dims[None, :] < HEAD_DIM // PER_BYTE)
-        tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=byte_mask)
+        _store_codes(codes_ptr, vectors, mask, scaled, HEAD_DIM, CODE)
+
+
+@triton.jit
+def quantize_store_token_groups(
+    codes_ptr,
+    scales_ptr,
+    tensor_scale_ptr,
+    first_row,
+    head,
+    values,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    CODE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SCALE_E4M3: tl.constexpr,
+):
+    """Quantize the fp32 tile [TOKEN_GROUP, BLOCK_D] of rows first_row ... (one token group of
+    a token-grouped format, one head) and store its codes and its one row of scales."""
+    TOKEN_GROUP: tl.constexpr = values.shape[0]
+    BLOCK_D: tl.constexpr = values.shape[1]
+    NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
+    ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+    BITS: tl.constexpr = 8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
+    MAX_CODE: tl.constexpr = (
+        448.0 if CODE == CODE_E4M3 else (6.0 if CODE == CODE_E2M1 else 2.0**BITS - 1)
+    )
+    dims = tl.arange(0, BLOCK_D)
+    rows = first_row.to(tl.int64) + tl.arange(0, TOKEN_GROUP)
+    dmask = dims[None, :] < HEAD_DIM
+    tensor_scale = tl.full(values.shape, tl.load(tensor_scale_ptr), tl.float32)
+    scaled = tl.where(dmask, tl.math.div_rn(values, tensor_scale), 0.0)
+    grouped = tl.reshape(scaled, (TOKEN_GROUP, NUM_GROUPS, GROUP_SIZE))
+    # A token group's parameters are those of one long group: all its rows at once.
+    across_rows = tl.reshape(
+        tl.permute(grouped, (1, 0, 2)), (1, NUM_GROUPS, TOKEN_GROUP * GROUP_SIZE)
+    )
+    scale, zero = _group_parameters(
+        tl.reshape(across_rows, (1, NUM_GROUPS * TOKEN_GROUP * GROUP_SIZE)),
+        scales_ptr,
+        (first_row.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head + tl.zeros((1,), tl.int64),
+        tl.full((1,), True, tl.int1),
+        HEAD_DIM * TOKEN_GROUP,
+        GROUP_SIZE * TOKEN_GROUP,
+        SCALE_E4M3,
+        MAX_CODE,
+        ZERO_POINT,
+    )
+    grouped = _to_code_units(grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT)
+    scaled = tl.reshape(grouped, (TOKEN_GROUP, BLOCK_D))
+    vectors = rows * NUM_HEADS + head
+    _store_codes(codes_ptr, vectors, tl.full((TOKEN_GROUP,), True, tl.int1), scaled, HEAD_DIM, CODE)
 
 
 @triton.jit
@@ -310,6 +394,7 @@ def _quantize_kernel(
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     SCALE_E4M3: tl.constexpr,
+    TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -345,6 +430,7 @@ def _dequantize_kernel(
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     SCALE_E4M3: tl.constexpr,
+    TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -364,6 +450,7 @@ def _dequantize_kernel(
         CODE,
         GROUP_SIZE,
         SCALE_E4M3,
+        TOKEN_GROUP,
     )
     offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]
     out_mask = mask[:, None] & (dims[None, :] < HEAD_DIM)
@@ -388,6 +475,8 @@ def quantize(
     """
     head_dim = x.shape[-1]
     check_kernel_format(fmt, head_dim)
+    if fmt.token_group > 1:
+        raise ValueError(f"{fmt}: token-grouped formats are quantized a block at a time")
     x = x.contiguous()
     tensor_scale = tensor_scale_or_one(tensor_scale, x.device)
     codes = x.new_empty(*x.shape[:-1], code_width(fmt, head_dim), dtype=fmt.code_torch_dtype)
@@ -466,33 +555,54 @@ def _check_codes(
 def quantize_ref(
     x: torch.Tensor, fmt: KVFormat, tensor_scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Torch reference of `quantize` (same signature, same bits)."""
+    """Torch reference of `quantize` (same signature, same bits).
+
+    A token-grouped format takes vectors [N, H, D] (N a multiple of token_group, groups of
+    consecutive rows) and returns scales [N / token_group, H, scales_per_vector]."""
     head_dim = x.shape[-1]
     fmt.check_head_dim(head_dim)
     if not fmt.quantized:
         return x.to(fmt.code_torch_dtype), None
     tensor_scale = tensor_scale_or_one(tensor_scale, x.device)
     scaled = x.float() / tensor_scale
-    scales = None
-    if fmt.group_size is not None:
-        grouped = scaled.unflatten(-1, (head_dim // fmt.group_size, fmt.group_size))
-        if fmt.zero_point:
-            zeros = grouped.amin(dim=-1).half()
-            span = (grouped.amax(dim=-1) - zeros.float()).clamp(min=0)
-            scales = (span / fmt.max_code).half()
-            scale = scales.float()
-            grouped = grouped - zeros.float()[..., None]
-            scales = torch.cat((scales, zeros), dim=-1)
-        elif fmt.scale_dtype == "e4m3":
-            scales = encode_e4m3_fast(grouped.abs().amax(dim=-1) / fmt.max_code)
-            scale = decode_e4m3_fast(scales)
-        else:
-            scales = (grouped.abs().amax(dim=-1) / fmt.max_code).half()
-            scale = scales.float()
-        divisor = torch.where(scale == 0, 1.0, scale)[..., None]
-        grouped = torch.where(scale[..., None] == 0, 0.0, grouped / divisor)
-        scaled = grouped.flatten(-2)
+    if fmt.group_size is None:
+        return fmt.element.encode(scaled), None
+    groups, size, rows = head_dim // fmt.group_size, fmt.group_size, fmt.token_group
+    if rows == 1:
+        grouped = scaled.unflatten(-1, (groups, size))
+    else:
+        if x.dim() != 3 or x.shape[0] % rows:
+            raise ValueError(f"x.shape={tuple(x.shape)}: {fmt} needs [N * {rows}, H, D]")
+        # [N/rows, rows, H, G, size] -> one long group per (row group, head, channel group).
+        blocked = scaled.unflatten(0, (-1, rows)).unflatten(-1, (groups, size))
+        grouped = blocked.permute(0, 2, 3, 1, 4).flatten(-2)
+    in_code_units, scales = _quantize_groups_ref(grouped, fmt)
+    if rows == 1:
+        scaled = in_code_units.flatten(-2)
+    else:
+        unblocked = in_code_units.unflatten(-1, (rows, size)).permute(0, 3, 1, 2, 4)
+        scaled = unblocked.flatten(-2).flatten(0, 1)
     return fmt.element.encode(scaled), scales
+
+
+def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Groups [..., G, n] in tensor-scaled units -> (the same in code units, stored scales
+    [..., G] or [..., 2G] with the zero points after the scales)."""
+    if fmt.zero_point:
+        zeros = grouped.amin(dim=-1).half()
+        span = (grouped.amax(dim=-1) - zeros.float()).clamp(min=0)
+        scales = (span / fmt.max_code).half()
+        scale = scales.float()
+        grouped = grouped - zeros.float()[..., None]
+        scales = torch.cat((scales, zeros), dim=-1)
+    elif fmt.scale_dtype == "e4m3":
+        scales = encode_e4m3_fast(grouped.abs().amax(dim=-1) / fmt.max_code)
+        scale = decode_e4m3_fast(scales)
+    else:
+        scales = (grouped.abs().amax(dim=-1) / fmt.max_code).half()
+        scale = scales.float()
+    divisor = torch.where(scale == 0, 1.0, scale)[..., None]
+    return torch.where(scale[..., None] == 0, 0.0, grouped / divisor), scales
 
 
 def dequantize_ref(

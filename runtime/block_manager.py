@@ -4,7 +4,8 @@ Block ids are shared by every layer (block 7 is block 7 in each layer's pool), s
 serves all layers. The layout follows runtime/kv_bytes.py exactly, which is what makes the bytes a
 sequence holds equal the planner's figure after every step:
 - new tokens go to the tail of the sink stream (positions < csa_sinks, when compressing) or of
-  the window stream, into the fp16 "recent" pool when recent_unquantized > 0, else the main pool;
+  the window stream, into the fp16 "recent" pool when recent_unquantized > 0 or keys are scaled
+  per channel (policy.recent_tail), else the main pool;
 - blocks that hold none of the last recent_unquantized tokens move to the main pool, and window
   blocks that left the window are pooled into the summary stream (in that order, so a block that
   crosses both thresholds at once is pooled from the codes decode would have pooled).
@@ -119,7 +120,7 @@ class BlockManager:
     def __init__(self, policy: KVPolicy, num_main_blocks: int, num_recent_blocks: int) -> None:
         self.policy = policy
         self.pools = {MAIN: BlockPool(num_main_blocks), RECENT: BlockPool(num_recent_blocks)}
-        self.tail_kind = RECENT if policy.recent_unquantized > 0 else MAIN
+        self.tail_kind = RECENT if policy.recent_tail else MAIN
 
     def new_sequence(self) -> SequenceKV:
         return SequenceKV(sinks=ExactStream(0), window=ExactStream(self._sink_count()))
@@ -227,7 +228,8 @@ class BlockManager:
         return copies
 
     def _demote(self, kv: SequenceKV, upto: int) -> list[BlockCopy]:
-        """Quantize recent blocks that hold none of the last recent_unquantized tokens. When
+        """Quantize recent blocks that are done and hold none of the last recent_unquantized
+        tokens (with per-channel key scales and no recent region: every full block). When
         the recent region is longer than the CSA window, a window block is pooled straight from
         its recent copy before it would be demoted, so window blocks are left to _compress."""
         policy = self.policy
@@ -238,8 +240,13 @@ class BlockManager:
             del streams["window"]
         copies = []
         for name, stream in streams.items():
+            # A block ends at its boundary (a partial block is not done), the sink stream's last
+            # block where the sinks end.
+            stream_end = self._sink_count() if name == "sinks" else None
             for index, block in enumerate(stream.blocks):
-                block_end = stream.start + min((index + 1) * bs, stream.length)
+                block_end = stream.start + (index + 1) * bs
+                if stream_end is not None:
+                    block_end = min(block_end, stream_end)
                 if block.kind != RECENT or block_end > oldest_recent:
                     continue
                 target = self.pools[MAIN].allocate()

@@ -58,7 +58,7 @@ class EngineConfig:
 def recent_pool_blocks(policy: KVPolicy, max_num_seqs: int, step_tokens: int) -> int:
     """fp16 recent blocks: each sequence's last recent_unquantized tokens (two streams may
     share them) plus this step's new tokens before they are moved."""
-    if policy.recent_unquantized == 0:
+    if not policy.recent_tail:
         return 0
     bs = policy.block_size
     return max_num_seqs * (ceil_div(policy.recent_unquantized, bs) + 3) + ceil_div(step_tokens, bs)

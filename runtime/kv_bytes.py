@@ -11,7 +11,10 @@ Physical layout of one sequence of T tokens (DESIGN.md sections 1 and 3):
   window holds between W and W + block_size - 1 tokens once T - S > W.
 Each stream is rounded up to whole blocks. With recent_unquantized = R > 0, a block of an exact
 stream stays in fp16 while it holds any of the last R tokens; older blocks use the layer's
-format. Summaries always use the layer's format.
+format. With per-channel key scales (k_scale_axis=channel) a block is quantized once full, so the
+partial last block of the growing stream stays in fp16 too. Summaries always use the layer's
+format. Formats whose scales are shared by the tokens of a block cost bytes per block, so every
+total here is counted in blocks.
 """
 
 from __future__ import annotations
@@ -71,23 +74,32 @@ def summary_tokens(policy: KVPolicy, num_tokens: int) -> int:
     return compressed_blocks(policy, num_tokens) * policy.block_size // policy.csa_ratio
 
 
-def recent_blocks_of(extent: StreamExtent, block_size: int, num_tokens: int, recent: int) -> int:
-    """Blocks of an exact stream that hold any of the last `recent` tokens (kept in fp16)."""
+def recent_blocks_of(
+    extent: StreamExtent, block_size: int, num_tokens: int, recent: int, growing: bool
+) -> int:
+    """Blocks of an exact stream kept in fp16: those that end after the first of the last
+    `recent` tokens. A block of the growing (last) stream ends at its block boundary, so its
+    partial last block is always kept; a complete stream's last block ends with the stream."""
     blocks = ceil_div(extent.length, block_size)
-    if recent <= 0 or blocks == 0:
+    if blocks == 0:
         return 0
     older_than_recent = num_tokens - recent - extent.start
     full_blocks_recent = max(0, (blocks - 1) - max(0, older_than_recent // block_size))
-    last_block_recent = int(extent.length > older_than_recent)
-    return full_blocks_recent + last_block_recent
+    last_block_end = blocks * block_size if growing else extent.length
+    return full_blocks_recent + int(last_block_end > older_than_recent)
 
 
 def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
     """Blocks per layer a sequence of num_tokens tokens occupies under the policy."""
     bs = policy.block_size
     quantized = recent = 0
-    for extent in exact_extents(policy, num_tokens):
-        in_recent = recent_blocks_of(extent, bs, num_tokens, policy.recent_unquantized)
+    extents = exact_extents(policy, num_tokens)
+    for index, extent in enumerate(extents):
+        in_recent = 0
+        if policy.recent_tail:
+            # The window grows; the sink stream grows only until it holds its csa_sinks tokens.
+            growing = index == len(extents) - 1 or extent.length < policy.csa_sinks
+            in_recent = recent_blocks_of(extent, bs, num_tokens, policy.recent_unquantized, growing)
         recent += in_recent
         quantized += ceil_div(extent.length, bs) - in_recent
     summary = ceil_div(summary_tokens(policy, num_tokens), bs)
@@ -113,23 +125,26 @@ def layer_formats(arch: ModelArch, policy: KVPolicy) -> list[LayerFormats]:
     policy.check_model(arch)
     formats = []
     for k_dtype, v_dtype in policy.layer_pairs(arch.num_layers):
-        k = policy.kv_format(k_dtype, arch.dtype)
+        k = policy.kv_format(k_dtype, arch.dtype, keys=True)
         v = policy.kv_format(v_dtype, arch.dtype)
         formats.append(LayerFormats(k, v, _recent_format(k), _recent_format(v)))
     return formats
 
 
-def token_bytes(arch: ModelArch, k: KVFormat, v: KVFormat) -> int:
-    """Bytes one token costs in one layer with K in format k and V in format v."""
+def layer_block_bytes(arch: ModelArch, k: KVFormat, v: KVFormat, block_size: int) -> int:
+    """Bytes one block of block_size tokens costs in one layer with K in format k and V in v."""
     size = arch.cached_vector_size
     if arch.is_mla:
-        return k.vector_bytes(size)
-    return arch.cached_heads * (k.vector_bytes(size) + v.vector_bytes(size))
+        return k.block_bytes(size, block_size)
+    return arch.cached_heads * (k.block_bytes(size, block_size) + v.block_bytes(size, block_size))
 
 
 def kv_bytes_per_token(arch: ModelArch, policy: KVPolicy) -> int:
-    """Bytes one token adds at full fidelity under the policy's dtypes, summed over layers."""
-    return sum(token_bytes(arch, f.k, f.v) for f in layer_formats(arch, policy))
+    """Bytes one token adds at full fidelity under the policy's dtypes, summed over layers
+    (rounded up where a block's tokens share scales)."""
+    bs = policy.block_size
+    total = sum(layer_block_bytes(arch, f.k, f.v, bs) for f in layer_formats(arch, policy))
+    return ceil_div(total, bs)
 
 
 def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
@@ -138,9 +153,7 @@ def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) ->
     bs = policy.block_size
     total = 0
     for f in layer_formats(arch, policy):
-        layer_token = token_bytes(arch, f.k, f.v)
-        recent_token = token_bytes(arch, f.k_recent, f.v_recent)
-        total += bs * (
-            (blocks.quantized + blocks.summary) * layer_token + blocks.recent * recent_token
-        )
+        layer_block = layer_block_bytes(arch, f.k, f.v, bs)
+        recent_block = layer_block_bytes(arch, f.k_recent, f.v_recent, bs)
+        total += (blocks.quantized + blocks.summary) * layer_block + blocks.recent * recent_block
     return total

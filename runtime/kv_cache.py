@@ -1,10 +1,12 @@
 """The paged KV cache of every layer, and attention over it for one engine step.
 
 Per layer: a main pool in the layer's K and V formats (quantized tokens and CSA summaries) and,
-when recent_unquantized > 0, an fp16 pool for the most recent tokens. A sequence's cache is up
-to five streams (sinks and window, each split into main and recent blocks, plus summaries);
-attention is one softmax over all of them (DESIGN.md section 3): the Triton backend attends each
-stream and merges the partial results by log-sum-exp, the torch backend concatenates them.
+when recent_unquantized > 0 or keys are scaled per channel, an fp16 pool for the most recent
+tokens (for per-channel keys at least the partial last block, quantized once full). A sequence's
+cache is up to five streams (sinks and window, each split into main and recent blocks, plus
+summaries); attention is one softmax over all of them (DESIGN.md section 3): the Triton backend
+attends each stream and merges the partial results by log-sum-exp, the torch backend
+concatenates them.
 
 A prefill chunk must score every position on the cache a decode step there would read. The
 engine brings the layout to the chunk's last position before the attention; the blocks demoted
@@ -26,7 +28,7 @@ from kernels.pool import KVPool
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
 from runtime.block_manager import MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
-from runtime.kv_bytes import layer_formats, token_bytes
+from runtime.kv_bytes import layer_block_bytes, layer_formats
 from runtime.policy import KVPolicy
 
 
@@ -82,9 +84,10 @@ class StepLayout:
 def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
     """Bytes one block id costs across all layers, for each block kind."""
     formats = layer_formats(arch, policy)
+    bs = policy.block_size
     return {
-        MAIN: policy.block_size * sum(token_bytes(arch, f.k, f.v) for f in formats),
-        RECENT: policy.block_size * sum(token_bytes(arch, f.k_recent, f.v_recent) for f in formats),
+        MAIN: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in formats),
+        RECENT: sum(layer_block_bytes(arch, f.k_recent, f.v_recent, bs) for f in formats),
     }
 
 
@@ -175,7 +178,7 @@ class KVCache:
             return window, None
         if kind == RECENT:
             return None, min(recent, pooled) if pooled is not None else recent
-        return (recent if recent > 0 else None), pooled
+        return (recent if self.policy.recent_tail else None), pooled
 
     def _stream_specs(self, kvs: list[SequenceKV]) -> list[StreamSpec]:
         """One spec per (stream, block kind) that holds any vector in this batch."""

@@ -13,13 +13,14 @@ from typing import Any
 
 import yaml
 
-from kernels.kv_format import KVFormat
+from kernels.kv_format import QUANTIZED_DTYPES, KVFormat
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 
 KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp8", "fp4")
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "e4m3")
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
+K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
 PER_TENSOR = "tensor"
 
 
@@ -62,6 +63,10 @@ class KVPolicy:
     group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
         and per K/V. Only quantized (fp8/fp4) streams store scales.
     scale_dtype: fp16 group scales, or e4m3 (NVFP4-style, with an fp32 per-tensor scale).
+    k_scale_axis: token (keys grouped along head_dim per token, like values), or channel (one
+        scale per channel per block of block_size keys, KIVI-style: fixed outlier channels no
+        longer set every token's scale). A channel-scaled block is quantized once full; until
+        then it stays in fp16 with the recent tokens, and those bytes count.
     recent_unquantized: the most recent tokens kept in fp16 (0 = none); a block is quantized
         once it holds none of them.
     csa_ratio: tokens pooled into one summary K/V (1 = no compression).
@@ -76,6 +81,7 @@ class KVPolicy:
     layer_dtypes: tuple[str, ...] | None = None
     group_size: int | str = 32
     scale_dtype: str = "fp16"
+    k_scale_axis: str = "token"
     recent_unquantized: int = 0
     csa_ratio: int = 1
     csa_window: int = 512
@@ -97,6 +103,10 @@ class KVPolicy:
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConfigError(
                 _field("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
+            )
+        if self.k_scale_axis not in K_SCALE_AXES:
+            raise ConfigError(
+                _field("k_scale_axis"), self.k_scale_axis, f"one of {', '.join(K_SCALE_AXES)}"
             )
         _check_int("recent_unquantized", self.recent_unquantized, 0)
         _check_int("csa_window", self.csa_window, 0)
@@ -137,6 +147,13 @@ class KVPolicy:
                 ratio,
                 f"a power of two up to block_size={self.block_size}: {', '.join(map(str, ratios))}",
             )
+        if ratio > 1 and self.k_scale_axis == "channel":
+            raise ConfigError(
+                _field("k_scale_axis"),
+                self.k_scale_axis,
+                "token when csa_ratio > 1 (summary keys are pooled one at a time; per-channel "
+                "scales need whole blocks)",
+            )
         if ratio > 1 and self.csa_window < self.block_size:
             raise ConfigError(
                 _field("csa_window"),
@@ -148,6 +165,12 @@ class KVPolicy:
     @property
     def compressed(self) -> bool:
         return self.csa_ratio > 1
+
+    @property
+    def recent_tail(self) -> bool:
+        """Whether new tokens go to an fp16 pool first: for the recent region, or until a
+        channel-scaled key block is full."""
+        return self.recent_unquantized > 0 or self.k_scale_axis == "channel"
 
     def layer_pairs(self, num_layers: int) -> list[tuple[str, str]]:
         """(K dtype, V dtype) of every layer, with the per-layer overrides applied."""
@@ -161,10 +184,13 @@ class KVPolicy:
             )
         return [tuple(pair.split("/")) for pair in self.layer_dtypes]  # type: ignore[misc]
 
-    def kv_format(self, dtype: str, auto_dtype: str) -> KVFormat:
-        """Storage format of a stream whose element dtype is `dtype` (auto -> the model's)."""
+    def kv_format(self, dtype: str, auto_dtype: str, keys: bool = False) -> KVFormat:
+        """Storage format of a stream whose element dtype is `dtype` (auto -> the model's);
+        keys: the stream holds keys (k_scale_axis applies)."""
         group = None if self.group_size == PER_TENSOR else self.group_size
         element = auto_dtype if dtype == "auto" else dtype
+        if keys and self.k_scale_axis == "channel" and element in QUANTIZED_DTYPES:
+            return KVFormat(element, 1, self.scale_dtype, token_group=self.block_size)
         return KVFormat(element, group, self.scale_dtype)
 
     def check_model(self, arch: ModelArch) -> None:

@@ -131,6 +131,24 @@ POLICIES_FOR_BYTES = [
         block_size=8,
         chunk_size=24,
     ),
+    KVPolicy(
+        "fp4",
+        "fp4",
+        group_size=16,
+        scale_dtype="e4m3",
+        k_scale_axis="channel",
+        block_size=8,
+        chunk_size=16,
+    ),
+    KVPolicy(
+        "fp8",
+        "fp4",
+        group_size=16,
+        k_scale_axis="channel",
+        recent_unquantized=12,
+        block_size=8,
+        chunk_size=24,
+    ),
 ]
 
 
@@ -174,8 +192,8 @@ def test_batched_and_preempted_generation_equals_one_at_a_time(tiny_llama):
     assert tight.stats()["peak_main_blocks"] <= 25
 
 
-def test_triton_backend_agrees_with_torch(tiny_llama):
-    policy = KVPolicy(
+TRITON_POLICIES = [
+    KVPolicy(
         "fp8",
         "fp4",
         group_size=16,
@@ -185,7 +203,21 @@ def test_triton_backend_agrees_with_torch(tiny_llama):
         recent_unquantized=8,
         block_size=8,
         chunk_size=16,
-    )
+    ),
+    KVPolicy(
+        "fp4",
+        "fp4",
+        group_size=16,
+        scale_dtype="e4m3",
+        k_scale_axis="channel",
+        block_size=8,
+        chunk_size=16,
+    ),
+]
+
+
+@pytest.mark.parametrize("policy", TRITON_POLICIES)
+def test_triton_backend_agrees_with_torch(tiny_llama, policy):
     tokens = random_tokens(40, seed=3)
     reference = LLM(str(tiny_llama), policy=policy, max_model_len=64).prompt_logits(tokens)
     triton = LLM(str(tiny_llama), policy=policy, backend="triton", max_model_len=64)

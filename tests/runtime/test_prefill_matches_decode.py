@@ -35,6 +35,23 @@ POLICIES = {
         recent_unquantized=12,
         block_size=BLOCK,
     ),
+    # Keys scaled per channel over each block: a block stays fp16 until full.
+    "channel_keys": KVPolicy(
+        k_dtype="fp4",
+        v_dtype="fp4",
+        group_size=16,
+        scale_dtype="e4m3",
+        k_scale_axis="channel",
+        block_size=BLOCK,
+    ),
+    "channel_keys_recent_window": KVPolicy(
+        k_dtype="fp8",
+        v_dtype="fp4",
+        group_size=16,
+        k_scale_axis="channel",
+        recent_unquantized=20,
+        block_size=BLOCK,
+    ),
     # Recent region longer than the window: window blocks are pooled from their fp16 copy.
     "csa_recent_past_window": KVPolicy(
         k_dtype="fp8",
