@@ -16,9 +16,12 @@ deviation over the seeds, and the first trial count at which the mean curve reac
 search's final mean hypervolume (target: 30 or fewer for tpe, nsga2 and gp). Random search
 runs --trials; the model-based samplers run --model-trials (default 30: the target's budget).
 Hypervolume is the dominated area up to the reference point (bytes 1.0 = fp16, KL = --kl-ref).
+--chunk-sizes replaces the space's chunk_size candidates: prefill shows each position the cache
+decode would, so the chunk size does not change the KL, and a smaller one keeps a passage of
+4 chunks cheap on a CPU.
 
     .venv/bin/python -m benchmarks.search_efficiency [--trials 60] [--model-trials 30]
-        [--seeds 0,1,2] [--chunks 4] [--markdown]
+        [--seeds 0,1,2] [--chunks 4] [--chunk-sizes 64] [--markdown]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -104,16 +108,19 @@ class FidelityOracle:
         self.exact = exact_runtime(MODEL, runtime, len(self.ids))
         self.reference = self.exact.prompt_logits(self.ids)
         self.measured = 0
+        self.seconds = 0.0  # spent measuring new policies
 
     def kl(self, policy: KVPolicy) -> float:
         key = fidelity_key(self.model_hash, self.ids, policy, self.runtime)
         cached = self.cache.get(key)
         if cached is not None:
             return float(cached["kl"])
+        started = time.perf_counter()
         logits = self.exact.with_policy(policy).prompt_logits(self.ids)
         value = mean_kl(self.reference, logits)
         self.cache.put(key, {"kl": value})
         self.measured += 1
+        self.seconds += time.perf_counter() - started
         return value
 
 
@@ -193,6 +200,9 @@ def main() -> None:
     parser.add_argument(
         "--chunks", type=int, default=4, help="passage length in largest prefill chunks"
     )
+    parser.add_argument(
+        "--chunk-sizes", default=None, help="comma-separated chunk_size candidates for the space"
+    )
     parser.add_argument("--kl-ref", type=float, default=0.5, help="reference KL (nats/token)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -202,7 +212,10 @@ def main() -> None:
     runtime = RuntimeSettings()
     folder = resolve_model(MODEL)
     arch = arch_from_folder(folder)
-    config = SearchConfig.from_dict(yaml.safe_load(SEARCH_FILE.read_text()), arch)
+    search = yaml.safe_load(SEARCH_FILE.read_text())
+    if args.chunk_sizes:
+        search["chunk_size"] = [int(size) for size in args.chunk_sizes.split(",")]
+    config = SearchConfig.from_dict(search, arch)
     profile = layer_sensitivity(
         MODEL, folder, arch, runtime, JsonCache(default_cache_folder("sensitivity"))
     )
@@ -225,7 +238,8 @@ def main() -> None:
     title = (
         f"Hypervolume (KL over {tokens} tokens vs KV bytes, ref bytes 1.0 / KL {args.kl_ref}) "
         f"on {MODEL}, mean ± sd over seeds {args.seeds}; {oracle.measured} policies measured "
-        f"this run, {time.perf_counter() - started:.0f} s"
+        f"this run ({oracle.seconds / max(oracle.measured, 1):.1f} s each), "
+        f"{time.perf_counter() - started:.0f} s in all, load average {os.getloadavg()[0]:.1f}"
     )
     if args.markdown:
         print(title + "\n")
