@@ -95,7 +95,9 @@ def arch_from_folder(folder: str | Path) -> ModelArch:
     if not config_file.is_file():
         raise ConfigError("model.path", str(folder), "a local folder containing config.json")
     config = json.loads(config_file.read_text())
-    dtype = TORCH_DTYPE_NAMES.get(str(config.get("torch_dtype", "bfloat16")), "bf16")
+    # transformers >= 5 writes the checkpoint dtype as "dtype", earlier ones as "torch_dtype".
+    declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
+    dtype = TORCH_DTYPE_NAMES.get(str(declared), "bf16")
     heads = config["num_attention_heads"]
     weights = _weight_file_bytes(path) or _estimated_weight_bytes(
         config, 4 if dtype == "fp32" else 2

@@ -26,6 +26,38 @@ from runtime.policy import KVPolicy
 from runtime.tokenizer import Tokenizer
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The compute dtype as kvtune, vLLM (`--dtype`) and PyTorch users write it.
+DTYPE_SPELLINGS = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
+AUTO_DTYPE = "auto"
+
+
+def compute_dtype_name(
+    dtype: str | torch.dtype, checkpoint_dtype: str | None = None, field: str = "dtype"
+) -> str:
+    """fp32 | fp16 | bf16 from any accepted spelling: a torch.dtype, "float32", "torch.half",
+    "bf16", ..., or "auto" (the dtype the checkpoint declares: config.json's torch_dtype).
+
+    Without checkpoint_dtype, "auto" is returned as is (validation before the model is found).
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPE_NAMES:
+            raise ConfigError(field, dtype, f"one of {', '.join(map(str, DTYPE_NAMES))}")
+        return DTYPE_NAMES[dtype]
+    name = dtype.lower().removeprefix("torch.") if isinstance(dtype, str) else dtype
+    if name == AUTO_DTYPE:
+        return checkpoint_dtype or AUTO_DTYPE
+    if name not in DTYPE_SPELLINGS:
+        raise ConfigError(field, dtype, f"one of {', '.join([*DTYPE_SPELLINGS, AUTO_DTYPE])}")
+    return DTYPE_SPELLINGS[name]
 
 
 @dataclass(frozen=True)
@@ -55,7 +87,9 @@ class LLM:
     kv_budget_bytes: bytes for all KV pools; None sizes them for max_num_seqs sequences of
         max_model_len tokens, or, with gpu_memory_utilization on CUDA, from the device:
         total memory x utilization - what the loaded weights occupy - activation_reserve_bytes.
-    dtype: compute dtype (fp32 | fp16 | bf16); `auto` K/V streams are stored in it.
+    dtype: compute dtype, spelt as in vLLM or PyTorch (fp32 | float32 | float, fp16 | float16
+        | half, bf16 | bfloat16, a torch.dtype, or auto: the checkpoint's own); `auto` K/V
+        streams are stored in it.
     """
 
     def __init__(
@@ -66,7 +100,7 @@ class LLM:
         device: str = "cpu",
         kv_budget_bytes: int | None = None,
         max_num_seqs: int = 8,
-        dtype: str = "fp32",
+        dtype: str | torch.dtype = "fp32",
         max_model_len: int | None = None,
         max_num_batched_tokens: int | None = None,
         scheduling: str = "fcfs",
@@ -76,9 +110,11 @@ class LLM:
     ) -> None:
         self.policy = as_policy(policy)
         ops = cache_ops(backend)
-        torch_dtype = resolve_dtype(dtype)
+        compute_dtype_name(dtype)  # a misspelt dtype fails before the model is looked up
         folder = resolve_model(model)
-        self.arch = dataclasses.replace(arch_from_folder(folder), dtype=DTYPE_NAMES[torch_dtype])
+        checkpoint = arch_from_folder(folder)
+        torch_dtype = resolve_dtype(compute_dtype_name(dtype, checkpoint.dtype))
+        self.arch = dataclasses.replace(checkpoint, dtype=DTYPE_NAMES[torch_dtype])
         self.policy.check_model(self.arch)
         length = max_model_len or self.arch.max_position_embeddings
         config = EngineConfig(

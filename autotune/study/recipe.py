@@ -29,6 +29,7 @@ from autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
 from autotune.study.objectives import Constraints, TrialContext, parse_objectives
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
+from runtime.llm import compute_dtype_name
 from runtime.model_source import resolve_model
 
 RECIPE_KEYS = (
@@ -61,6 +62,10 @@ def recipe_from_config(cfg: DictConfig, command_line: Iterable[str]) -> dict[str
     arch = build_model_arch(cfg.model, command_line)
     recipe = {key: plain(cfg[key]) for key in RECIPE_KEYS if key != "arch"}
     recipe["arch"] = dataclasses.asdict(arch)
+    runtime = recipe["runtime"]
+    if isinstance(runtime, Mapping) and "dtype" in runtime:  # one spelling in the stored recipe
+        dtype = compute_dtype_name(runtime["dtype"], arch.dtype, field="runtime.dtype")
+        recipe["runtime"] = {**runtime, "dtype": dtype}
     return recipe
 
 
