@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from rich.console import Console
 
+from autotune.cli.dashboard import dashboard_task
 from autotune.cli.evaluate import evaluate_task
 from autotune.cli.export import export_task, quote_pick
 from autotune.cli.tune import tune_task
@@ -30,11 +31,12 @@ OUTPUT_FORMATS = ("table", "json")
 USAGE = """usage: kvtune <command> [key=value ...] [-m]
 
 commands:
-  plan     KV-cache capacity of a model on a device under a policy
-  tune     search KV policies: an Optuna study tracked in MLflow (-m workload=chat,longdoc sweeps)
-  worker   join a running study from another process or machine (study.name, study.storage)
-  export   deployable configs of one trial: pick=knee|max_accuracy|min_memory|trial=<n>
-  evaluate accuracy of a policy against the uncompressed baseline: eval=quick|full
+  plan      KV-cache capacity of a model on a device under a policy
+  tune      search KV policies: an Optuna study tracked in MLflow (-m workload=chat,longdoc sweeps)
+  worker    join a running study from another process or machine (study.name, study.storage)
+  export    deployable configs of one trial: pick=knee|max_accuracy|min_memory|trial=<n>
+  evaluate  accuracy of a policy against the uncompressed baseline: eval=quick|full
+  dashboard optuna-dashboard of a study on 127.0.0.1 (study.name, dashboard.port) until Ctrl-C
 
 Overrides are Hydra's: for example
   kvtune plan model=llama-3.1-8b device=h100-80gb policy.k_dtype=fp8 serve.max_model_len=32768
@@ -77,6 +79,7 @@ COMMANDS: dict[str, Callable[[DictConfig], None]] = {
     "worker": worker_task,
     "export": export_task,
     "evaluate": evaluate_task,
+    "dashboard": dashboard_task,
 }
 
 
