@@ -1,7 +1,7 @@
 """`kvtune evaluate`: score a KV policy on an accuracy suite against the uncompressed baseline.
 
     kvtune evaluate policy.k_dtype=fp8 policy.v_dtype=fp4 eval=quick format=json
-    kvtune evaluate eval=full eval.context_tokens=4096
+    kvtune evaluate eval=full eval.context_tokens=4096 model.path=/models/my-llama
 
 The evaluation (torch, lm-eval) is imported when the command runs, so the other commands
 start quickly.
@@ -12,15 +12,17 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from autotune.config.settings import build_policy
+from autotune.config.settings import build_model_arch, build_policy
 from runtime.errors import ConfigError
 
 FORMATS = ("table", "json")
@@ -73,15 +75,33 @@ def render_result(result: dict[str, Any], console: Console) -> None:
     )
 
 
+def evaluated_model(cfg: DictConfig, command_line: Sequence[str]) -> str:
+    """The model as every command takes it (model=<preset> or model.path=<folder>); the eval
+    preset's `model` is refused on the command line so that there is one spelling."""
+    for override in command_line:
+        key, _, value = override.partition("=")
+        if key.lstrip("+~") == "eval.model":
+            raise ConfigError(
+                "eval.model",
+                value,
+                "not a setting of kvtune evaluate: give model.path=<folder> or model=<preset>, "
+                "as for kvtune tune and plan",
+            )
+    return str(cfg.model.get("path") or cfg.model.name)
+
+
 def evaluate_task(cfg: DictConfig) -> None:
     """`kvtune evaluate`: print the evaluation as a table or one JSON object."""
     if cfg.format not in FORMATS:
         raise ConfigError("format", cfg.format, f"one of {', '.join(FORMATS)}")
+    command_line = HydraConfig.get().overrides.task
+    model = evaluated_model(cfg, command_line)
     policy = build_policy(cfg.policy)
+    policy.check_model(build_model_arch(cfg.model, command_line))
 
     from autotune.evaluation import evaluate, load_suite
 
-    suite = load_suite(OmegaConf.to_container(cfg.eval, resolve=True))
+    suite = load_suite({**OmegaConf.to_container(cfg.eval, resolve=True), "model": model})
     # Libraries may print; stdout carries only the result.
     cache = Path(cfg.cache).expanduser() if cfg.cache else None
     with contextlib.redirect_stdout(sys.stderr):
