@@ -18,17 +18,25 @@ from typing import Any
 import optuna
 from optuna.distributions import CategoricalDistribution
 
+from kernels.kv_format import QUANTIZED_DTYPES
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
-from runtime.policy import BLOCK_SIZES, KV_DTYPES, PER_TENSOR, SCALE_DTYPES, KVPolicy
+from runtime.policy import (
+    BLOCK_SIZES,
+    K_SCALE_AXES,
+    KV_DTYPES,
+    PER_TENSOR,
+    SCALE_DTYPES,
+    KVPolicy,
+)
 
 ALL_LAYERS = "all"
 # Precision order for warm starts: the first present is the "uncompressed" choice.
 PRECISION_ORDER = ("auto", "bf16", "fp16", "fp8", "fp4")
-QUANTIZED = ("fp8", "fp4")
 KNOB_NAMES = (
     "group_size",
     "scale_dtype",
+    "k_scale_axis",
     "recent_unquantized",
     "csa_ratio",
     "csa_window",
@@ -37,6 +45,8 @@ KNOB_NAMES = (
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
+# Knobs added after studies began: a conf/search without them keeps the policy default.
+OPTIONAL_KNOBS = ("k_scale_axis",)
 
 
 def _field(name: str) -> str:
@@ -86,6 +96,7 @@ class SearchConfig:
                 raise ConfigError(
                     _field(str(key)), data[key], f"unknown knob; known: {', '.join(sorted(known))}"
                 )
+        data = {**{name: getattr(_DEFAULTS, name) for name in OPTIONAL_KNOBS}, **data}
         for key in known:
             if key not in data:
                 raise ConfigError(_field(key), None, "candidates (missing from conf/search)")
@@ -121,6 +132,19 @@ class SearchConfig:
             SCALE_DTYPES.__contains__,
             f"one of {', '.join(SCALE_DTYPES)}",
         )
+        _check_each(
+            "k_scale_axis",
+            k["k_scale_axis"],
+            K_SCALE_AXES.__contains__,
+            f"one of {', '.join(K_SCALE_AXES)}",
+        )
+        if "channel" in k["k_scale_axis"] and max(k["csa_ratio"]) > 1:
+            raise ConfigError(
+                _field("k_scale_axis"),
+                list(k["k_scale_axis"]),
+                "[token] while csa_ratio has candidates > 1 (per-channel keys need uncompressed "
+                "policies), or csa_ratio: [1]",
+            )
         for name in ("recent_unquantized", "csa_sinks"):
             _check_each(name, k[name], lambda v: _is_int(v, 0), "integers >= 0 (tokens)")
         _check_each(
@@ -255,7 +279,8 @@ def canonical(policy: KVPolicy) -> KVPolicy:
     """One representative of policies that store and compute the same cache.
 
     Scale settings and the unquantized recent window mean nothing without a quantized stream
-    (the group size becomes "tensor", the one value every head_dim accepts), the CSA window and
+    (the group size becomes "tensor", the one value every head_dim accepts), the key scale axis
+    nothing without a quantized key stream, the CSA window and
     sinks nothing without compression, and per-layer pairs that are all equal are the plain K/V
     dtypes. Canonical policies make equal trials hit the same cache entry.
     """
@@ -266,12 +291,18 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         changes.update(k_dtype=k, v_dtype=v, layer_dtypes=None)
     else:
         changes.update(k_dtype=_DEFAULTS.k_dtype, v_dtype=_DEFAULTS.v_dtype)
-    if not any(d in QUANTIZED for pair in pairs for d in pair.split("/")):
+    if not any(d in QUANTIZED_DTYPES for pair in pairs for d in pair.split("/")):
         changes.update(
             group_size=PER_TENSOR,
             scale_dtype=_DEFAULTS.scale_dtype,
             recent_unquantized=_DEFAULTS.recent_unquantized,
         )
+    keys_quantized = any(pair.split("/")[0] in QUANTIZED_DTYPES for pair in pairs)
+    values_quantized = any(pair.split("/")[1] in QUANTIZED_DTYPES for pair in pairs)
+    if not keys_quantized:
+        changes.update(k_scale_axis=_DEFAULTS.k_scale_axis)
+    elif policy.k_scale_axis == "channel" and not values_quantized:
+        changes.update(group_size=PER_TENSOR)  # channel keys ignore it, no value uses it
     if not policy.compressed:
         changes.update(csa_window=_DEFAULTS.csa_window, csa_sinks=_DEFAULTS.csa_sinks)
     return policy.replace(**changes)

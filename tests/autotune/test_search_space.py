@@ -127,3 +127,28 @@ def test_layers_are_grouped_by_ascending_sensitivity():
     scores = [0.5, 0.01, 0.3, 0.02, 0.9, 0.04]
     assert group_layers(scores, 3) == ((1, 3), (2, 5), (0, 4))
     assert group_layers(scores, 1) == ((0, 1, 2, 3, 4, 5),)
+
+
+def test_channel_keys_are_searched_only_without_compression():
+    with pytest.raises(ConfigError, match=r"search.k_scale_axis.*csa_ratio"):
+        space(k_scale_axis=["token", "channel"])
+    search = space(k_scale_axis=["token", "channel"], csa_ratio=[1])
+    assert search.distributions()["k_scale_axis"].choices == ("token", "channel")
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
+    axes = set()
+    for _ in range(100):
+        trial = study.ask()
+        policy = search.suggest(trial)
+        policy.check_model(ARCH)
+        axes.add(policy.k_scale_axis)
+        study.tell(trial, 0.0)
+    assert axes == {"token", "channel"}
+
+
+def test_canonical_drops_a_key_scale_axis_that_no_key_uses():
+    fp16_keys = KVPolicy(k_dtype="fp16", v_dtype="fp8", k_scale_axis="channel")
+    assert canonical(fp16_keys).k_scale_axis == "token"
+    no_values = KVPolicy(k_dtype="fp4", v_dtype="fp16", k_scale_axis="channel", group_size=16)
+    assert canonical(no_values) == canonical(no_values.replace(group_size=32))
+    both = KVPolicy(k_dtype="fp4", v_dtype="fp4", k_scale_axis="channel", group_size=16)
+    assert canonical(both).k_scale_axis == "channel" and canonical(both).group_size == 16
