@@ -22,6 +22,10 @@ ELEMENT_BITS: dict[str, int] = {
 SCALE_BYTES: dict[str, int] = {"fp16": 2, "e4m3": 1}
 # Scale dtypes that can hold a zero point (an E4M3 code has no room for a signed offset).
 ZERO_POINT_SCALE_DTYPES: tuple[str, ...] = ("fp16",)
+# Where a quantized stream's fp32 tensor scale comes from: measured on a calibration text
+# (runtime.calibration), or 1 (what vLLM and SGLang use when the checkpoint carries no
+# k_scale / v_scale).
+TENSOR_SCALES: tuple[str, ...] = ("calibrated", "unit")
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "fp16": torch.float16,
@@ -58,10 +62,13 @@ class KVFormat:
     group_size: int | None = None
     scale_dtype: str = "fp16"
     token_group: int = 1
+    tensor_scale: str = "calibrated"
 
     def __post_init__(self) -> None:
         if self.dtype not in ELEMENT_BITS:
             raise ValueError(f"dtype={self.dtype!r}: allowed {sorted(ELEMENT_BITS)}")
+        if self.tensor_scale not in TENSOR_SCALES:
+            raise ValueError(f"tensor_scale={self.tensor_scale!r}: allowed {list(TENSOR_SCALES)}")
         if self.scale_dtype not in SCALE_BYTES:
             raise ValueError(f"scale_dtype={self.scale_dtype!r}: allowed {sorted(SCALE_BYTES)}")
         if not self.quantized:

@@ -4,7 +4,8 @@ A live cache cannot rescale what it already wrote, so formats with one scale per
 per-tensor, as vLLM) or with E4M3 group scales (NVFP4-style two-level scaling) need their tensor
 scale before the first write. vLLM's default is a scale of 1; kvtune measures the K and V
 magnitudes of each layer on a fixed calibration text instead (deterministic, independent of the
-workload) and leaves headroom for larger values.
+workload) and leaves headroom for larger values. A format whose tensor_scale is "unit" (the
+engines' presets, conf/policy/vllm and conf/policy/sglang) keeps the scale 1 and skips this.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ CALIBRATION_TEXT = (
 
 
 def needs_tensor_scale(fmt: KVFormat) -> bool:
-    return fmt.quantized and (fmt.group_size is None or fmt.scale_dtype == "e4m3")
+    """Whether a stream's tensor scale is measured: a quantized format with one scale per
+    tensor or E4M3 group scales, whose tensor scale is calibrated (not unit, i.e. 1)."""
+    scaled_by_tensor = fmt.group_size is None or fmt.scale_dtype == "e4m3"
+    return fmt.quantized and scaled_by_tensor and fmt.tensor_scale == "calibrated"
 
 
 def tensor_scale(

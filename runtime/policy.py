@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from kernels.kv_format import QUANTIZED_DTYPES, KVFormat
+from kernels.kv_format import QUANTIZED_DTYPES, TENSOR_SCALES, KVFormat
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 
@@ -74,6 +74,9 @@ class KVPolicy:
     csa_sinks: the first tokens kept exact when compressing.
     block_size: tokens a paged block holds.
     chunk_size: prefill chunk in tokens, a multiple of block_size.
+    tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
+        text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use
+        without checkpoint k_scale / v_scale: the engine presets).
     """
 
     k_dtype: str = "fp16"
@@ -88,6 +91,7 @@ class KVPolicy:
     csa_sinks: int = 16
     block_size: int = 16
     chunk_size: int = 512
+    tensor_scale: str = "calibrated"
 
     def __post_init__(self) -> None:
         _check_dtype("k_dtype", self.k_dtype)
@@ -123,6 +127,10 @@ class KVPolicy:
                 f"a multiple of block_size={self.block_size} (pages must stay aligned)",
             )
         self._check_compression()
+        if self.tensor_scale not in TENSOR_SCALES:
+            raise ConfigError(
+                _field("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
+            )
 
     def _normalised_group_size(self) -> int | str:
         value = self.group_size
@@ -190,8 +198,14 @@ class KVPolicy:
         group = None if self.group_size == PER_TENSOR else self.group_size
         element = auto_dtype if dtype == "auto" else dtype
         if keys and self.k_scale_axis == "channel" and element in QUANTIZED_DTYPES:
-            return KVFormat(element, 1, self.scale_dtype, token_group=self.block_size)
-        return KVFormat(element, group, self.scale_dtype)
+            return KVFormat(
+                element,
+                1,
+                self.scale_dtype,
+                token_group=self.block_size,
+                tensor_scale=self.tensor_scale,
+            )
+        return KVFormat(element, group, self.scale_dtype, tensor_scale=self.tensor_scale)
 
     def check_model(self, arch: ModelArch) -> None:
         """Refuse settings this model cannot hold (before its weights are loaded)."""

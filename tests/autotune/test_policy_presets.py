@@ -1,0 +1,61 @@
+"""The engine presets as a user selects them: `policy=<engine>/<kv-cache-dtype>` on the real CLI.
+
+Every file conf/policy/<engine>/<dtype>.yaml is named after the engine's --kv-cache-dtype, so
+its bytes per token are checked against the byte formula of tests/kernels/engine_formats_ref.py
+(written from the engines' sources) for that engine and dtype.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from autotune.config.settings import build_policy
+from tests.kernels.engine_formats_ref import kv_bytes_per_token_head
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
+PRESETS = sorted(
+    f"{path.parent.name}/{path.stem}"
+    for engine in ("vllm", "sglang")
+    for path in (CONF / "policy" / engine).glob("*.yaml")
+)
+# conf/model/smollm2-135m.yaml: layers, KV heads, head_dim.
+SMOL_LAYERS, SMOL_KV_HEADS, SMOL_HEAD_DIM = 30, 3, 64
+
+
+def test_every_engine_has_presets():
+    assert {"vllm/fp8", "vllm/nvfp4", "sglang/fp8_e4m3", "sglang/nvfp4"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_plan_reports_the_engines_bytes_per_token(preset):
+    result = subprocess.run(
+        [*KVTUNE, "plan", f"policy={preset}", "format=json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    engine, dtype = preset.split("/")
+    per_token_head = kv_bytes_per_token_head(engine, dtype, SMOL_HEAD_DIM)
+    assert plan["kv_bytes_per_token"] == SMOL_LAYERS * SMOL_KV_HEADS * per_token_head
+    assert plan["policy"]["tensor_scale"] == "unit"
+
+
+@pytest.mark.parametrize("config", ["plan", "evaluate"])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_presets_compose_for_plan_and_evaluate(config, preset):
+    """The preset fills the fields it names over conf/policy/default.yaml; a command-line
+    override still wins."""
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose(config, overrides=[f"policy={preset}", "policy.block_size=32"])
+        default = compose(config)
+    policy = build_policy(cfg.policy)
+    assert policy.block_size == 32
+    assert policy.tensor_scale == "unit"
+    assert policy.k_dtype == policy.v_dtype != build_policy(default.policy).k_dtype

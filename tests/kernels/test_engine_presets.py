@@ -1,0 +1,193 @@
+"""The engine presets (conf/policy/vllm, conf/policy/sglang) store what the engines store.
+
+Each preset is composed by Hydra as `policy=<engine>/<dtype>` selects it, turned into K and V
+formats by the policy, and written into paged pools by the Triton cache-write kernel and by the
+torch reference. The codes and scales read back must equal, bit for bit, those of the engine's
+format as `tests/kernels/engine_formats_ref.py` encodes it (numpy, written from the engines'
+sources, no kvtune imports), on random and on outlier-heavy data, and the bytes a token costs
+per KV head must equal that reference's byte formula.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from kernels.cache_write import write_kv, write_kv_ref
+from kernels.kv_format import KVFormat
+from kernels.pool import KVPool, read_vectors_ref
+from runtime.calibration import tensor_scale
+from runtime.policy import KVPolicy
+from tests.kernels import engine_formats_ref as ref
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+BLOCK, NUM_BLOCKS, HEADS, DIM = 16, 4, 2, 64
+TOKENS = 40
+Encoded = tuple[np.ndarray, np.ndarray | None]
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine's --kv-cache-dtype: its name for the byte formula and its reference encoder
+    and decoder (x [..., D] float32 -> (codes as stored, scales as stored or None))."""
+
+    engine: str
+    dtype: str
+    encode: Callable[[np.ndarray], Encoded]
+    decode: Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+
+
+PRESETS = {
+    "vllm/fp8": Engine(
+        "vllm",
+        "fp8",
+        lambda x: (ref.encode_fp8_per_tensor(x, 1.0), None),
+        lambda codes, _: ref.decode_fp8_per_tensor(codes, 1.0),
+    ),
+    "sglang/fp8_e4m3": Engine(
+        "sglang",
+        "fp8_e4m3",
+        lambda x: (ref.encode_fp8_per_tensor_sglang(x, None), None),
+        lambda codes, _: ref.decode_fp8_per_tensor(codes, 1.0),
+    ),
+    "vllm/nvfp4": Engine(
+        "vllm", "nvfp4", lambda x: ref.encode_nvfp4(x, 1.0), lambda c, s: ref.decode_nvfp4(c, s)
+    ),
+    "sglang/nvfp4": Engine(
+        "sglang", "nvfp4", lambda x: ref.encode_nvfp4(x, 1.0), lambda c, s: ref.decode_nvfp4(c, s)
+    ),
+}
+
+
+def preset_policy(name: str) -> KVPolicy:
+    """The policy `policy=<name>` composes to (Hydra, as the CLI does)."""
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("plan", overrides=[f"policy={name}"])
+    return KVPolicy.from_dict(dict(cfg.policy))
+
+
+def preset_formats(name: str) -> tuple[KVFormat, KVFormat]:
+    policy = preset_policy(name)
+    return (
+        policy.kv_format(policy.k_dtype, "bf16", keys=True),
+        policy.kv_format(policy.v_dtype, "bf16"),
+    )
+
+
+def as_bf16(x: np.ndarray) -> torch.Tensor:
+    """Activations as a bf16 model hands them over (bf16 values, kept in fp32)."""
+    return torch.from_numpy(x.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32))
+
+
+def random_vectors(seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    return as_bf16(rng.standard_normal((TOKENS, HEADS, DIM)) * 2.0)
+
+
+def outlier_vectors(seed: int) -> torch.Tensor:
+    """Fixed outlier channels (as RoPE'd keys have), values beyond E4M3's 448 and E2M1's reach,
+    tiny values near the scale formats' subnormals, a zero vector, and exact halfway points of
+    the E2M1 grid (a block of amax 6 has scale 1 in every fp4 format)."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((TOKENS, HEADS, DIM))
+    x[:, :, [3, 17, 40]] *= [40.0, -300.0, 900.0]
+    x[5] *= 1e-5
+    x[6] = 0.0
+    x[7, :, :16] = [6.0, 2.5, -5.0, 0.25, 0.75, -1.25, 1.75, 3.5, 5.0, -0.0, 0.5, 1, 1.5, 2, 3, 4]
+    x[8, 0, ::7] = [1e4, -2e3, 600.0, -449.0, 464.0, 1e-3, -3e-7, 7e-8, 5e2, 0.01]
+    return as_bf16(x)
+
+
+DATA = {"random": random_vectors, "outliers": outlier_vectors}
+
+
+def write_both(fmt_k: KVFormat, fmt_v: KVFormat, k: torch.Tensor, v: torch.Tensor, slots):
+    """Pools written by the Triton kernel and by the torch reference, with the tensor scales the
+    runtime would give these formats (measured from the data where calibrated)."""
+    scales = [tensor_scale(fmt, float(x.abs().max())) for fmt, x in ((fmt_k, k), (fmt_v, v))]
+    pools = []
+    for write in (write_kv, write_kv_ref):
+        k_pool, v_pool = (
+            KVPool.allocate(fmt, NUM_BLOCKS, BLOCK, HEADS, DIM, scale)
+            for fmt, scale in zip((fmt_k, fmt_v), scales, strict=True)
+        )
+        write(k, v, slots, k_pool, v_pool)
+        pools.append((k_pool, v_pool))
+    return pools
+
+
+def stored(pool: KVPool, slots: torch.Tensor) -> Encoded:
+    """Codes and scales of the vectors at slots, as numpy arrays of the stored dtypes."""
+    codes = pool.codes.flatten(0, 1)[slots.long()].numpy()
+    if pool.scales is None:
+        return codes, None
+    return codes, pool.scales.flatten(0, 1)[slots.long()].numpy()
+
+
+def assert_same_bits(actual: np.ndarray | None, expected: np.ndarray | None) -> None:
+    if expected is None:
+        assert actual is None
+        return
+    assert actual.nbytes == expected.nbytes and actual.shape == expected.shape
+    np.testing.assert_array_equal(actual.view(np.uint8), expected.view(np.uint8))
+
+
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_stores_the_engines_codes_and_scales(name, data):
+    engine = PRESETS[name]
+    fmt_k, fmt_v = preset_formats(name)
+    k, v = DATA[data](0), DATA[data](1)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=torch.Generator().manual_seed(2))[:TOKENS]
+    for k_pool, v_pool in write_both(fmt_k, fmt_v, k, v, slots):
+        for pool, x in ((k_pool, k), (v_pool, v)):
+            assert float(pool.tensor_scale) == 1.0  # the engines' scale without checkpoint ones
+            codes, scales = engine.encode(x.numpy())
+            stored_codes, stored_scales = stored(pool, slots)
+            assert_same_bits(stored_codes, codes)
+            assert_same_bits(stored_scales, scales)
+            np.testing.assert_array_equal(
+                read_vectors_ref(pool, slots).numpy(), engine.decode(codes, scales)
+            )
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_preset_bytes_per_token_head_follow_the_engine(name):
+    engine = PRESETS[name]
+    fmt_k, fmt_v = preset_formats(name)
+    for head_dim in (64, 128):
+        expected = ref.kv_bytes_per_token_head(engine.engine, engine.dtype, head_dim)
+        assert fmt_k.vector_bytes(head_dim) + fmt_v.vector_bytes(head_dim) == expected
+        per_block = fmt_k.block_bytes(head_dim, BLOCK) + fmt_v.block_bytes(head_dim, BLOCK)
+        assert per_block == BLOCK * expected
+    k_pool = KVPool.allocate(fmt_k, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    v_pool = KVPool.allocate(fmt_v, NUM_BLOCKS, BLOCK, HEADS, DIM)
+    allocated = sum(
+        t.numel() * t.element_size()
+        for p in (k_pool, v_pool)
+        for t in (p.codes, p.scales)
+        if t is not None
+    )
+    assert allocated == NUM_BLOCKS * BLOCK * HEADS * ref.kv_bytes_per_token_head(
+        engine.engine, engine.dtype, DIM
+    )
+
+
+def test_calibrated_tensor_scale_is_the_alternative_and_changes_the_codes():
+    """tensor_scale=calibrated (kvtune's own mode) measures a scale: not what vLLM stores."""
+    policy = preset_policy("vllm/nvfp4").replace(tensor_scale="calibrated")
+    fmt = policy.kv_format("fp4", "bf16")
+    x = outlier_vectors(0)
+    scale = tensor_scale(fmt, float(x.abs().max()))
+    assert scale is not None and float(scale) != 1.0
+    pool = KVPool.allocate(fmt, NUM_BLOCKS, BLOCK, HEADS, DIM, scale)
+    slots = torch.arange(TOKENS)
+    write_kv_ref(x, x, slots, pool, KVPool.allocate(fmt, NUM_BLOCKS, BLOCK, HEADS, DIM, scale))
+    assert not np.array_equal(stored(pool, slots)[1], ref.encode_nvfp4(x.numpy(), 1.0)[1])
