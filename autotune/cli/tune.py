@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Mapping
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from typing import Any
 import optuna
 import yaml
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
@@ -161,11 +165,48 @@ def run_study(
     render_front(console, settings.name, records, front, setup.arch.num_layers)
 
 
+def swept_keys(argv: Sequence[str]) -> list[str]:
+    """Keys a command line sweeps (`workload=chat,longdoc`, `study.seed=range(2)`)."""
+    overrides = [arg for arg in argv if not arg.startswith("-")]
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    return [o.key_or_group for o in parsed if o.is_sweep_override()]
+
+
+def study_name(cfg: DictConfig, job_overrides: Sequence[str], argv: Sequence[str]) -> str:
+    """study.name, extended in a multirun job by each swept value that the name does not
+    interpolate already, so that every combination gets its own study: `study.name=sweep -m
+    workload=chat,longdoc` -> sweep-workload_chat and sweep-workload_longdoc."""
+    name = str(cfg.study.name)
+    raw = str(cfg.study._get_node("name")._value())
+    values = {
+        o.key_or_group: o.get_value_element_as_str()
+        for o in OverridesParser.create().parse_overrides(list(job_overrides))
+    }
+    suffix = [
+        f"{key}_{_safe(values[key])}"
+        for key in swept_keys(argv)
+        if key in values
+        and "${" + key not in raw
+        and key != "study.name"
+        and not key.startswith("hydra.")
+    ]
+    return "-".join([name, *suffix])
+
+
+def _safe(value: str) -> str:
+    """A value as it can stand in a file name and on a command line."""
+    return re.sub(r"[^A-Za-z0-9._]+", "_", value).strip("_") or "_"
+
+
 def tune_task(cfg: DictConfig) -> None:
     """`kvtune tune`: one study per invocation (Hydra multirun: one per combination)."""
     quiet_libraries()
-    settings = StudySettings.from_dict(plain(cfg.study))
-    recipe = recipe_from_config(cfg, HydraConfig.get().overrides.task)
+    hydra_cfg = HydraConfig.get()
+    name = cfg.study.name
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        name = study_name(cfg, hydra_cfg.overrides.task, sys.argv[1:])
+    settings = StudySettings.from_dict({**plain(cfg.study), "name": name})
+    recipe = recipe_from_config(cfg, hydra_cfg.overrides.task)
     setup = build_setup(recipe)
     services = Services.from_config(plain(cfg.mlflow), plain(cfg.cache))
     check_sampler(settings, setup.search, setup.arch.num_layers)

@@ -51,6 +51,8 @@ FAILURE_ATTR = "failure_reason"
 SURPLUS_ATTR = "surplus"
 DUPLICATE_ATTR = "duplicate_of"
 POLICY_ATTR = "policy"
+# Recipe groups with a `name` field, for the name an error message suggests.
+NAMED_GROUPS = ("model", "device", "workload", "eval")
 # Random draws tried for an unmeasured policy before the space is enumerated (when small enough).
 RESAMPLE_DRAWS = 200
 POLL_SECONDS = 2.0
@@ -196,11 +198,15 @@ def create_or_resume(
         study = optuna.load_study(study_name=settings.name, storage=storage)
         differences = recipe_differences(study.user_attrs.get(RECIPE_ATTR, {}), recipe)
         if differences:
+            group = differences[0].split(".")[0]
+            group = group if group in NAMED_GROUPS else "workload"
             raise ConfigError(
                 "study.name",
                 settings.name,
                 "a new name: a study of that name already exists with a different recipe "
-                f"(differs in {', '.join(differences)})",
+                f"(differs in {', '.join(differences)}); name each recipe, e.g. "
+                f"study.name='{settings.name}-${{{group}.name}}' (a multirun adds the swept "
+                "values to the name by itself)",
             )
         logger.info("resuming study %s (%d trials so far)", settings.name, len(study.trials))
         return study

@@ -104,6 +104,9 @@ def test_a_different_recipe_under_the_same_name_is_refused(tmp_path):
     storage = open_storage(settings)
     with pytest.raises(ConfigError, match="differs in objectives"):
         create_or_resume(settings, storage, {**RECIPE, "objectives": ["tpot_ms"]}, OBJECTIVES)
+    suggestion = r"differs in model.name.*study.name='s-\$\{model.name\}'"
+    with pytest.raises(ConfigError, match=suggestion):
+        create_or_resume(settings, storage, {**RECIPE, "model": {"name": "other"}}, OBJECTIVES)
 
 
 def test_a_trial_past_the_budget_is_surplus_and_never_measured(tmp_path):

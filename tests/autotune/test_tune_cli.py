@@ -116,6 +116,33 @@ def test_multirun_runs_one_study_per_workload(tmp_path, tiny_study_args, kvtune_
     assert {p.name for p in tmp_path.iterdir()} == {"studies", "mlflow.db", "mlartifacts"}
 
 
+@pytest.mark.slow
+def test_a_named_multirun_gives_one_study_per_combination(tmp_path, tiny_study_args, kvtune_cache):
+    args = [a for a in tiny_study_args if not a.startswith("workload=")]
+    result = run_kvtune(
+        "tune",
+        "-m",
+        "study.name=sweep",
+        "workload=tiny,tiny2",
+        "study.seed=0,1",
+        "study.n_trials=1",
+        "runtime.dtype=float32",
+        *args,
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    names = {p.name for p in (tmp_path / "studies").iterdir()} - {"multirun"}
+    expected = {f"sweep-workload_{w}-study.seed_{s}" for w in ("tiny", "tiny2") for s in (0, 1)}
+    assert names == expected
+    for name in expected:
+        study = load(f"sqlite:///{tmp_path / 'studies' / name / 'optuna.db'}", name)
+        assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE]
+        recipe = study.user_attrs["recipe"]
+        assert recipe["workload"]["name"] == name.split("-")[1].removeprefix("workload_")
+        assert recipe["runtime"]["dtype"] == "fp32"  # float32, as vLLM and PyTorch spell it
+
+
 @pytest.mark.parametrize(
     ("override", "field"),
     [
