@@ -77,6 +77,7 @@ GRIDS = {
     "cuda": Grid((1, 8, 32), (4096, 32768, 131072), Compression(), 20),
     "cuda-smoke": Grid((1, 8), (4096, 32768), Compression(), 5),
     "cpu": Grid((1, 2), (256, 1024), Compression(ratio=4, sinks=4, window=128), 2),
+    "cpu-smoke": Grid((1,), (256,), Compression(ratio=4, sinks=4, window=128), 1),
 }
 
 
@@ -333,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    grid = GRIDS["cpu" if args.device == "cpu" else "cuda-smoke" if args.smoke else "cuda"]
+    grid = GRIDS[("cpu" if args.device == "cpu" else "cuda") + ("-smoke" if args.smoke else "")]
     torch.manual_seed(0)
     copy_gbps = copy_bandwidth_gbps(args.device, grid.iterations)
     rows = run_grid(Shape(), grid, args.device)

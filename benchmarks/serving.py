@@ -7,6 +7,9 @@ budget holds at the trace's longest request (planner arithmetic), peak concurren
 (measured), preemptions, output throughput, and P50/P99 end-to-end latency and TTFT.
 
     .venv/bin/python -m benchmarks.serving [--requests 24] [--rate 2.0] [--device cuda]
+
+The engine runs the `torch` backend on the CPU and the Triton kernels (`triton`) on CUDA,
+unless --backend says otherwise.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def replay(llm: LLM, trace: list[Request]) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", help="torch | triton | triton_tf32 (default: by device)")
     parser.add_argument("--requests", type=int, default=24)
     parser.add_argument("--rate", type=float, default=2.0, help="requests per second")
     parser.add_argument("--prompt-median", type=int, default=256)
@@ -106,7 +110,11 @@ def main() -> None:
         help="KV budget as fp16 sequences of the longest request",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--policies", nargs="+", choices=list(POLICIES), default=list(POLICIES), metavar="NAME"
+    )
     args = parser.parse_args()
+    backend = args.backend or ("triton" if args.device.startswith("cuda") else "torch")
 
     trace = poisson_trace(
         args.requests, args.rate, args.prompt_median, args.output_median, 49152, args.seed
@@ -116,7 +124,8 @@ def main() -> None:
     table = Table(
         title=(
             f"Serving {args.requests} requests at {args.rate}/s (seed {args.seed}), {MODEL}, "
-            f"{args.device}, budget = {args.budget_sequences} fp16 sequences of {longest} tokens"
+            f"{args.device} ({backend}), budget = {args.budget_sequences} fp16 sequences of "
+            f"{longest} tokens"
         )
     )
     for column in (
@@ -133,10 +142,12 @@ def main() -> None:
         table.add_column(column, justify="right")
     arch = arch_from_folder(resolve_model(MODEL))
     budget = int(args.budget_sequences * kv_bytes_per_sequence(arch, POLICIES["fp16"], longest))
-    for name, policy in POLICIES.items():
+    for name in args.policies:
+        policy = POLICIES[name]
         llm = LLM(
             MODEL,
             policy=policy,
+            backend=backend,
             device=args.device,
             max_model_len=max_model_len,
             max_num_seqs=32,
