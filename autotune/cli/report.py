@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 
 import optuna
 from optuna.trial import FrozenTrial
@@ -10,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autotune.study.optuna_study import counted
+from autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, counted
 from autotune.study.results import TrialRecord
 
 MIB = 1 << 20
@@ -27,31 +28,65 @@ def study_progress(console: Console) -> Progress:
     )
 
 
+def finished_trials(study: optuna.Study) -> int:
+    """Trials of the budget that are done (all workers)."""
+    return sum(counted(t) and t.state.is_finished() for t in study.get_trials(deepcopy=False))
+
+
+def trial_summary(trial: FrozenTrial) -> str:
+    """One trial in a few words: its headline metrics, else its state and why."""
+    metrics = trial.user_attrs.get("metrics")
+    if metrics:
+        shown = [
+            f"retention {metrics['accuracy_retention']:.3f}",
+            f"{metrics['kv_bytes_per_sequence'] / MIB:.2f} MiB/seq",
+        ]
+        if "tpot_ms" in metrics:
+            shown.append(f"tpot {metrics['tpot_ms']:.1f} ms")
+        return f"trial {trial.number}: {', '.join(shown)}"
+    if DUPLICATE_ATTR in trial.user_attrs:
+        return f"trial {trial.number}: skipped, policy of trial {trial.user_attrs[DUPLICATE_ATTR]}"
+    reason = trial.user_attrs.get(FAILURE_ATTR)
+    return f"trial {trial.number}: {trial.state.name}" + (f" ({reason})" if reason else "")
+
+
 class ProgressCallback:
     """Optuna callback advancing the bar to the study's finished trials (all workers)."""
 
     def __init__(self, progress: Progress, study: optuna.Study, n_trials: int) -> None:
         self.progress = progress
         self.task = progress.add_task(
-            study.study_name, total=n_trials, completed=self.finished(study), last=""
+            study.study_name, total=n_trials, completed=finished_trials(study), last=""
         )
 
-    @staticmethod
-    def finished(study: optuna.Study) -> int:
-        return sum(counted(t) and t.state.is_finished() for t in study.get_trials(deepcopy=False))
+    def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        self.progress.update(self.task, completed=finished_trials(study), last=trial_summary(trial))
+
+
+class TrialLines:
+    """Optuna callback printing one plain line per trial, for output that is not a terminal
+    (a file, a pipe, a CI log), where a live bar would be cut to the console width."""
+
+    def __init__(self, console: Console, n_trials: int) -> None:
+        self.console = console
+        self.n_trials = n_trials
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        finished = self.finished(study)
-        metrics = trial.user_attrs.get("metrics")
-        if metrics:
-            last = (
-                f"trial {trial.number}: retention {metrics['accuracy_retention']:.3f}, "
-                f"{metrics['kv_bytes_per_sequence'] / MIB:.2f} MiB/seq, "
-                f"tpot {metrics['tpot_ms']:.1f} ms"
-            )
-        else:
-            last = f"trial {trial.number}: {trial.state.name}"
-        self.progress.update(self.task, completed=finished, last=last)
+        done = f"[{finished_trials(study)}/{self.n_trials}]"
+        line = f"{study.study_name} {done} {trial_summary(trial)}"
+        self.console.out(line, highlight=False)
+
+
+@contextlib.contextmanager
+def trial_reporter(
+    console: Console, study: optuna.Study, n_trials: int
+) -> Iterator[Callable[[optuna.Study, FrozenTrial], None]]:
+    """The per-trial callback: a live bar on a terminal, plain lines anywhere else."""
+    if not console.is_terminal:
+        yield TrialLines(console, n_trials)
+        return
+    with study_progress(console) as progress:
+        yield ProgressCallback(progress, study, n_trials)
 
 
 def policy_label(record: TrialRecord, num_layers: int) -> str:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from autotune.cache import JsonCache, default_cache_folder
-from autotune.cli.report import ProgressCallback, render_front, study_progress
+from autotune.cli.report import render_front, trial_reporter
 from autotune.study.objectives import TrialEvaluator
 from autotune.study.optuna_study import (
     StudySettings,
@@ -145,9 +145,9 @@ def run_study(
         settings.n_trials,
     )
     try:
-        with study_progress(console) as progress, trial_output(settings.name):
-            bar = ProgressCallback(progress, study, settings.n_trials)
-            run_trials(study, objective, settings.n_trials, [tracker.log_trial, bar])
+        reporter = trial_reporter(console, study, settings.n_trials)
+        with reporter as report, trial_output(settings.name):
+            run_trials(study, objective, settings.n_trials, [tracker.log_trial, report])
     except BaseException:
         tracker.fail()
         raise
