@@ -13,12 +13,20 @@ from typing import Any
 
 import yaml
 
-from kernels.kv_format import QUANTIZED_DTYPES, TENSOR_SCALES, KVFormat
+from kernels.element_formats import ELEMENT_FORMATS
+from kernels.kv_format import QUANTIZED_DTYPES, TENSOR_SCALES, ZERO_POINT_SCALE_DTYPES, KVFormat
+from kernels.rotation import ROTATIONS, is_power_of_two
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 
-KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", "fp8", "fp4")
+KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", *QUANTIZED_DTYPES)
+# Asymmetric formats: a zero point beside each group scale (no per-tensor form, no E4M3 scales).
+ZERO_POINT_DTYPES: tuple[str, ...] = tuple(
+    name for name, element in ELEMENT_FORMATS.items() if element.zero_point
+)
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "e4m3")
+ROTATION_NAMES: tuple[str, ...] = tuple(ROTATIONS)
+NO_ROTATION = "none"
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
 PER_TENSOR = "tensor"
@@ -58,11 +66,15 @@ class KVPolicy:
     """Tunable KV-cache policy.
 
     k_dtype, v_dtype: default element format of keys and values in every layer
-        (auto = the model's compute dtype, the exact reference path).
+        (auto = the model's compute dtype, the exact reference path): fp16, bf16, fp8 (E4M3),
+        fp4 (E2M1), or the asymmetric uniform int8, int4, int2 (a scale and a zero point per
+        group; see kernels/quantize.py).
     layer_dtypes: optional "K/V" pair per layer overriding the defaults, e.g. ("fp8/fp4", ...).
     group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
-        and per K/V. Only quantized (fp8/fp4) streams store scales.
-    scale_dtype: fp16 group scales, or e4m3 (NVFP4-style, with an fp32 per-tensor scale).
+        and per K/V (fp8/fp4 only: the integer formats need a group). Only quantized streams
+        store scales.
+    scale_dtype: fp16 group scales, or e4m3 (NVFP4-style, with an fp32 per-tensor scale; not
+        with the integer formats, whose zero points are stored in the scale dtype).
     k_scale_axis: token (keys grouped along head_dim per token, like values), or channel (one
         scale per channel per block of block_size keys, KIVI-style: fixed outlier channels no
         longer set every token's scale). A channel-scaled block is quantized once full; until
@@ -74,6 +86,10 @@ class KVPolicy:
     csa_sinks: the first tokens kept exact when compressing.
     block_size: tokens a paged block holds.
     chunk_size: prefill chunk in tokens, a multiple of block_size.
+    rotation: none, or hadamard: an orthonormal randomized Hadamard rotation of K and V along
+        head_dim in every layer with a quantized K or V stream, applied before they are cached
+        (queries rotated alike, the attention output rotated back; kernels/rotation.py). It
+        costs no cache bytes.
     tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
         text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use
         without checkpoint k_scale / v_scale: the engine presets).
@@ -91,6 +107,7 @@ class KVPolicy:
     csa_sinks: int = 16
     block_size: int = 16
     chunk_size: int = 512
+    rotation: str = NO_ROTATION
     tensor_scale: str = "calibrated"
 
     def __post_init__(self) -> None:
@@ -127,6 +144,11 @@ class KVPolicy:
                 f"a multiple of block_size={self.block_size} (pages must stay aligned)",
             )
         self._check_compression()
+        self._check_integer_formats()
+        if self.rotation not in ROTATION_NAMES:
+            raise ConfigError(
+                _field("rotation"), self.rotation, f"one of {', '.join(ROTATION_NAMES)}"
+            )
         if self.tensor_scale not in TENSOR_SCALES:
             raise ConfigError(
                 _field("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
@@ -145,6 +167,28 @@ class KVPolicy:
                 f'a positive integer dividing head_dim, or "{PER_TENSOR}"',
             )
         return value
+
+    def _check_integer_formats(self) -> None:
+        """The asymmetric integer formats keep a zero point per group in the scale dtype, so
+        they need fp16 scales, and a group_size wherever they use it (channel keys do not)."""
+        pairs = [pair.split("/") for pair in self.layer_dtypes or ()]
+        keys = {self.k_dtype, *(k for k, _ in pairs)}
+        values = {self.v_dtype, *(v for _, v in pairs)}
+        integer = sorted((keys | values) & set(ZERO_POINT_DTYPES))
+        grouped = values if self.k_scale_axis == "channel" else keys | values
+        if self.group_size == PER_TENSOR and grouped & set(ZERO_POINT_DTYPES):
+            raise ConfigError(
+                _field("group_size"),
+                self.group_size,
+                f"a positive integer with {', '.join(integer)} (a zero point per group)",
+            )
+        if integer and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
+            raise ConfigError(
+                _field("scale_dtype"),
+                self.scale_dtype,
+                f"one of {', '.join(ZERO_POINT_SCALE_DTYPES)} with {', '.join(integer)} "
+                "(zero points are stored in the scale dtype)",
+            )
 
     def _check_compression(self) -> None:
         ratio = self.csa_ratio
@@ -218,11 +262,29 @@ class KVPolicy:
             raise ConfigError(
                 _field("group_size"), self.group_size, f"must divide head_dim={size}: {allowed}"
             )
+        if self.rotation != NO_ROTATION:
+            self._check_rotation(arch)
         if arch.is_mla and any(k != v for k, v in pairs):
             raise ConfigError(
                 _field("v_dtype"),
                 self.v_dtype,
                 "equal to k_dtype in every layer: an MLA model caches one latent for K and V",
+            )
+
+    def _check_rotation(self, arch: ModelArch) -> None:
+        """Checked even when no stream is quantized (then the rotation is not applied)."""
+        if arch.is_mla:
+            raise ConfigError(
+                _field("rotation"),
+                self.rotation,
+                f"{NO_ROTATION} on an MLA model (it caches one latent, not K and V per head)",
+            )
+        if not is_power_of_two(arch.cached_vector_size):
+            raise ConfigError(
+                _field("rotation"),
+                self.rotation,
+                f"{NO_ROTATION} (the Hadamard rotation needs a power-of-two head_dim; the model "
+                f"has head_dim={arch.cached_vector_size})",
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, counted
 from autotune.study.results import TrialRecord
+from kernels.kv_format import QUANTIZED_DTYPES
 
 MIB = 1 << 20
 
@@ -98,10 +99,12 @@ def policy_label(record: TrialRecord, num_layers: int) -> str:
     pairs = ["/".join(pair) for pair in policy.layer_pairs(num_layers)]
     kinds = sorted(set(pairs), key=pairs.index)
     parts = [f"{kind} x{pairs.count(kind)}" for kind in kinds]
-    if any(d in ("fp8", "fp4") for pair in pairs for d in pair.split("/")):
+    if any(d in QUANTIZED_DTYPES for pair in pairs for d in pair.split("/")):
         parts.append(f"g{policy.group_size}/{policy.scale_dtype}")
         if policy.recent_unquantized:
             parts.append(f"recent{policy.recent_unquantized}")
+        if policy.rotation != "none":
+            parts.append(policy.rotation)
     if policy.compressed:
         parts.append(f"csa{policy.csa_ratio}(s{policy.csa_sinks},w{policy.csa_window})")
     parts.append(f"b{policy.block_size} c{policy.chunk_size}")

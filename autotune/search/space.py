@@ -19,24 +19,29 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 
 from kernels.kv_format import QUANTIZED_DTYPES
+from kernels.rotation import is_power_of_two
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.policy import (
     BLOCK_SIZES,
     K_SCALE_AXES,
     KV_DTYPES,
+    NO_ROTATION,
     PER_TENSOR,
+    ROTATION_NAMES,
     SCALE_DTYPES,
+    ZERO_POINT_DTYPES,
     KVPolicy,
 )
 
 ALL_LAYERS = "all"
 # Precision order for warm starts: the first present is the "uncompressed" choice.
-PRECISION_ORDER = ("auto", "bf16", "fp16", "fp8", "fp4")
+PRECISION_ORDER = ("auto", "bf16", "fp16", "int8", "fp8", "fp4", "int4", "int2")
 KNOB_NAMES = (
     "group_size",
     "scale_dtype",
     "k_scale_axis",
+    "rotation",
     "recent_unquantized",
     "csa_ratio",
     "csa_window",
@@ -46,7 +51,7 @@ KNOB_NAMES = (
 )
 _DEFAULTS = KVPolicy()
 # Knobs added after studies began: a conf/search without them keeps the policy default.
-OPTIONAL_KNOBS = ("k_scale_axis",)
+OPTIONAL_KNOBS = ("k_scale_axis", "rotation")
 
 
 def _field(name: str) -> str:
@@ -114,7 +119,28 @@ class SearchConfig:
             )
         config = cls(knobs, tuple(k_dtypes), tuple(v_dtypes), groups)
         config._check_knobs(arch)
+        config._check_integer_pairings()
         return config
+
+    def _check_integer_pairings(self) -> None:
+        """Integer dtypes keep a zero point per group in an fp16 scale: no draw may pair them
+        with E4M3 scales, or with a per-tensor group where they use it (token-scaled keys,
+        values)."""
+        k = self.knobs
+        e4m3 = "e4m3" in k["scale_dtype"]
+        per_tensor = PER_TENSOR in k["group_size"]
+        for name, dtypes, grouped in (
+            ("k_dtype", self.k_dtypes, "token" in k["k_scale_axis"]),
+            ("v_dtype", self.v_dtypes, True),
+        ):
+            integer = [d for d in dtypes if d in ZERO_POINT_DTYPES]
+            if integer and (e4m3 or (per_tensor and grouped)):
+                raise ConfigError(
+                    _field(name),
+                    list(dtypes),
+                    f"no {', '.join(integer)} while scale_dtype lists e4m3 or group_size lists "
+                    f"{PER_TENSOR} (integer formats need fp16 scales and a group)",
+                )
 
     def _check_knobs(self, arch: ModelArch) -> None:
         k = self.knobs
@@ -145,6 +171,13 @@ class SearchConfig:
                 "[token] while csa_ratio has candidates > 1 (per-channel keys need uncompressed "
                 "policies), or csa_ratio: [1]",
             )
+        _check_each(
+            "rotation",
+            k["rotation"],
+            lambda r: r in ROTATION_NAMES and (r == NO_ROTATION or is_power_of_two(size)),
+            f"one of {', '.join(ROTATION_NAMES)} (hadamard needs a power-of-two head_dim, the "
+            f"model's is {size})",
+        )
         for name in ("recent_unquantized", "csa_sinks"):
             _check_each(name, k[name], lambda v: _is_int(v, 0), "integers >= 0 (tokens)")
         _check_each(
@@ -278,7 +311,8 @@ class SearchSpace:
 def canonical(policy: KVPolicy) -> KVPolicy:
     """One representative of policies that store and compute the same cache.
 
-    Scale settings and the unquantized recent window mean nothing without a quantized stream
+    Scale settings, the rotation and the unquantized recent window mean nothing without a
+    quantized stream
     (the group size becomes "tensor", the one value every head_dim accepts), the key scale axis
     nothing without a quantized key stream, the CSA window and
     sinks nothing without compression, and per-layer pairs that are all equal are the plain K/V
@@ -296,6 +330,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             group_size=PER_TENSOR,
             scale_dtype=_DEFAULTS.scale_dtype,
             recent_unquantized=_DEFAULTS.recent_unquantized,
+            rotation=NO_ROTATION,
         )
     keys_quantized = any(pair.split("/")[0] in QUANTIZED_DTYPES for pair in pairs)
     values_quantized = any(pair.split("/")[1] in QUANTIZED_DTYPES for pair in pairs)

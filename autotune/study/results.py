@@ -176,7 +176,16 @@ def policy_columns(policy: KVPolicy | None, num_layers: int) -> dict[str, Any]:
     return columns
 
 
-DTYPE_CODES = {"auto": "a", "fp16": "h", "bf16": "b", "fp8": "8", "fp4": "4"}
+DTYPE_CODES = {
+    "auto": "a",
+    "fp16": "h",
+    "bf16": "b",
+    "fp8": "8",
+    "fp4": "4",
+    "int8": "i8",
+    "int4": "i4",
+    "int2": "i2",
+}
 
 
 def write_trials_csv(

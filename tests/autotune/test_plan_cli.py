@@ -64,6 +64,25 @@ def test_compare_lists_the_standard_alternatives_in_order_of_memory():
     assert rows["fp4 g16 + csa4"]["max_num_seqs"] > rows["fp16"]["max_num_seqs"]
 
 
+def test_integer_formats_and_rotation_are_planned_with_exact_bytes():
+    overrides = (
+        "model=llama-3.1-8b",
+        "serve.max_model_len=8192",
+        "policy.k_dtype=int4",
+        "policy.v_dtype=int4",
+        "policy.group_size=32",
+    )
+    plan = plan_json(*overrides)
+    rotated = plan_json(*overrides, "policy.rotation=hadamard")
+    # 32 layers, 8 KV heads, head_dim 128: 64 code bytes, then 4 groups of an fp16 scale and
+    # an fp16 zero point, for K and for V. The rotation stores nothing.
+    per_token = 32 * 8 * 2 * (64 + 4 * (2 + 2))
+    assert plan["kv_bytes_per_token"] == rotated["kv_bytes_per_token"] == per_token
+    assert plan["kv_bytes_per_sequence"] == rotated["kv_bytes_per_sequence"] == per_token * 8192
+    assert (plan["policy"]["rotation"], rotated["policy"]["rotation"]) == ("none", "hadamard")
+    assert rotated["compare"][0]["policy"]["rotation"] == "hadamard"
+
+
 def test_mla_preset():
     plan = plan_json("model=deepseek-v3", "device=h200-141gb", "serve.max_model_len=4096")
     assert plan["kv_bytes_per_token"] == 61 * 576 * 2

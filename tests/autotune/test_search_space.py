@@ -72,7 +72,9 @@ def test_params_are_per_group_dtypes_and_multi_candidate_knobs():
         ({"csa_ratio": [1, 16]}, "search.csa_ratio"),  # > smallest block 8
         ({"csa_window": [64]}, "search.csa_window"),  # < largest block 128 with compression
         ({"group_size": [16, 48]}, "search.group_size"),  # does not divide head_dim 64
-        ({"k_dtype": ["fp16", "int4"]}, "search.k_dtype"),
+        ({"k_dtype": ["fp16", "int3"]}, "search.k_dtype"),
+        ({"v_dtype": ["fp16", "int4"]}, "search.v_dtype"),  # with tensor and e4m3 candidates
+        ({"rotation": ["none", "givens"]}, "search.rotation"),
         ({"layer_groups": 7}, "search.layer_groups"),
         ({"layer_groups": "some"}, "search.layer_groups"),
         ({"block_size": [16, 24]}, "search.block_size"),
@@ -116,6 +118,38 @@ def test_canonical_merges_policies_that_store_the_same_cache():
     assert canonical(a) == canonical(b) == KVPolicy(group_size="tensor")  # valid for any head_dim
     quantized = KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=16)
     assert canonical(quantized).group_size == 16  # scales matter once a stream is quantized
+
+
+def test_integer_dtypes_draw_valid_policies_with_group_and_fp16_scales():
+    search = space(
+        k_dtype=["fp16", "int8", "int4"],
+        v_dtype=["int4", "int2"],
+        group_size=[16, 32],
+        scale_dtype=["fp16"],
+        rotation=["none", "hadamard"],
+    )
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
+    drawn = set()
+    for _ in range(100):
+        trial = study.ask()
+        policy = search.suggest(trial)
+        policy.check_model(ARCH)
+        drawn |= {d for pair in policy.layer_pairs(6) for d in pair} | {policy.rotation}
+        study.tell(trial, 0.0)
+    assert {"int8", "int4", "int2", "none", "hadamard"} <= drawn
+    assert search.policy(search.warm_starts()["baseline"]).layer_pairs(6) == [("fp16", "int4")] * 6
+
+
+def test_hadamard_rotation_needs_a_power_of_two_head_dim():
+    odd = ModelArch("odd", 6, 8, 2, 96, 1 << 30, 8192)
+    with pytest.raises(ConfigError, match="search.rotation"):
+        SearchConfig.from_dict({**SEARCH, "group_size": [16, 32], "rotation": ["hadamard"]}, odd)
+
+
+def test_canonical_drops_a_rotation_of_an_unquantized_cache():
+    assert canonical(KVPolicy(rotation="hadamard")) == canonical(KVPolicy())
+    rotated = KVPolicy(k_dtype="int4", v_dtype="int4", rotation="hadamard")
+    assert canonical(rotated).rotation == "hadamard"
 
 
 def test_space_size_counts_combinations():

@@ -108,6 +108,8 @@ def test_quantized_and_compressed_policies_degrade_in_order():
 
 POLICIES_FOR_BYTES = [
     KVPolicy("auto", "auto", block_size=8, chunk_size=16),
+    KVPolicy("int4", "int2", group_size=16, recent_unquantized=20, block_size=8, chunk_size=16),
+    KVPolicy("int8", "int4", group_size=32, k_scale_axis="channel", block_size=8, chunk_size=16),
     KVPolicy("fp8", "fp4", group_size=16, scale_dtype="e4m3", block_size=8, chunk_size=16),
     KVPolicy("fp4", "fp4", group_size=16, recent_unquantized=20, block_size=8, chunk_size=16),
     KVPolicy(
@@ -213,6 +215,17 @@ TRITON_POLICIES = [
         block_size=8,
         chunk_size=16,
     ),
+    KVPolicy(
+        "int4",
+        "int2",
+        group_size=16,
+        csa_ratio=2,
+        csa_window=16,
+        csa_sinks=4,
+        recent_unquantized=8,
+        block_size=8,
+        chunk_size=16,
+    ),
 ]
 
 
@@ -229,7 +242,7 @@ def test_triton_backend_agrees_with_torch(tiny_llama, policy):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"policy": {"k_dtype": "int4"}}, "policy.k_dtype"),
+        ({"policy": {"k_dtype": "int3"}}, "policy.k_dtype"),
         ({"policy": {"k_dtype": "fp8", "group_size": 12}}, "policy.group_size"),
         ({"backend": "cuda-graphs"}, "backend"),
         ({"kv_budget_bytes": 1000}, "kv_budget_bytes"),

@@ -45,6 +45,27 @@ def test_fp4_group16_counts_packed_codes_and_scales(scale_dtype, scale_bytes):
     assert kv_bytes_per_token(SMOL, policy) == 30 * 3 * 2 * vector
 
 
+@pytest.mark.parametrize(("dtype", "bits"), [("int8", 8), ("int4", 4), ("int2", 2)])
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_integer_formats_count_codes_scales_and_zero_points(dtype, bits, group):
+    policy = KVPolicy(k_dtype=dtype, v_dtype=dtype, group_size=group)
+    # 64 elements of `bits` bits, then an fp16 scale and an fp16 zero point per group.
+    vector = 64 * bits // 8 + (64 // group) * (2 + 2)
+    assert kv_bytes_per_token(SMOL, policy) == 30 * 3 * 2 * vector
+    assert kv_bytes_per_sequence(SMOL, policy, 1000) == 1008 * 30 * 3 * 2 * vector
+
+
+def test_rotation_costs_no_bytes():
+    policy = KVPolicy(k_dtype="int4", v_dtype="fp8", group_size=32, recent_unquantized=64)
+    rotated = policy.replace(rotation="hadamard")
+    k_vector, v_vector = 32 + 2 * 4, 64 + 2 * 2
+    assert kv_bytes_per_token(SMOL, rotated) == 30 * 3 * (k_vector + v_vector)
+    # 1000 tokens: the last 64 (936..999) touch blocks 58..62; 58 blocks quantized.
+    expected = 16 * (58 * 30 * 3 * (k_vector + v_vector) + 5 * FP16_TOKEN)
+    assert kv_bytes_per_sequence(SMOL, rotated, 1000) == expected
+    assert kv_bytes_per_sequence(SMOL, policy, 1000) == expected
+
+
 def test_mixed_k_and_v_and_per_layer_overrides():
     policy = KVPolicy(k_dtype="fp8", v_dtype="fp4", group_size=32, scale_dtype="fp16")
     k_vector, v_vector = 64 + 2 * 2, 32 + 2 * 2
@@ -130,3 +151,4 @@ def test_mla_caches_one_latent_a_token_and_layer():
     fp4 = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=64, scale_dtype="e4m3")
     assert kv_bytes_per_token(DSV3, fp4) == 61 * (288 + 9)
     assert kv_bytes_per_sequence(DSV3, KVPolicy(), 4096) == 4096 * 61 * 576 * 2
+

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kernels.kv_format import KVFormat
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.policy import KVPolicy
@@ -17,14 +18,19 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"k_dtype": "int4"}, "policy.k_dtype"),
+        ({"k_dtype": "int3"}, "policy.k_dtype"),
         ({"v_dtype": "fp6"}, "policy.v_dtype"),
         ({"layer_dtypes": ["fp8/fp4", "fp8"]}, "policy.layer_dtypes[1]"),
-        ({"layer_dtypes": ["fp8/int8"]}, "policy.layer_dtypes[0]"),
+        ({"layer_dtypes": ["fp8/int16"]}, "policy.layer_dtypes[0]"),
+        ({"k_dtype": "int4", "group_size": "tensor"}, "policy.group_size"),
+        ({"layer_dtypes": ["fp8/int2"], "group_size": "tensor"}, "policy.group_size"),
+        ({"v_dtype": "int8", "scale_dtype": "e4m3"}, "policy.scale_dtype"),
+        ({"rotation": "givens"}, "policy.rotation"),
+        ({"rotation": None}, "policy.rotation"),
         ({"layer_dtypes": "fp8/fp4"}, "policy.layer_dtypes"),
         ({"group_size": 0}, "policy.group_size"),
         ({"group_size": "row"}, "policy.group_size"),
-        ({"scale_dtype": "fp32"}, "policy.scale_dtype"),
+        ({"scale_dtype": "fp64"}, "policy.scale_dtype"),
         ({"recent_unquantized": -1}, "policy.recent_unquantized"),
         ({"csa_ratio": 3}, "policy.csa_ratio"),
         ({"csa_ratio": 32, "block_size": 16}, "policy.csa_ratio"),
@@ -75,6 +81,29 @@ def test_mla_caches_one_latent_so_k_and_v_share_a_dtype():
         KVPolicy(k_dtype="fp8", v_dtype="fp4").check_model(MLA)
 
 
+def test_rotation_needs_a_power_of_two_head_dim_and_per_head_vectors():
+    KVPolicy(k_dtype="int4", rotation="hadamard").check_model(SMOL)
+    odd = ModelArch("odd", 2, 4, 2, 96, 0, 4096)
+    with pytest.raises(ConfigError, match=r"policy.rotation='hadamard' .*head_dim=96"):
+        KVPolicy(k_dtype="int4", rotation="hadamard").check_model(odd)
+    KVPolicy(k_dtype="int4", rotation="none").check_model(odd)
+    with pytest.raises(ConfigError, match=r"policy.rotation='hadamard' .*latent"):
+        KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=64, rotation="hadamard").check_model(MLA)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        ("int4", KVFormat("int4", 32, "fp16")),
+        ("int8", KVFormat("int8", 32, "fp16")),
+        ("int2", KVFormat("int2", 32, "fp16")),
+        ("auto", KVFormat("bf16")),
+    ],
+)
+def test_kv_format_of_integer_dtypes(dtype, expected):
+    assert KVPolicy(k_dtype="int4", v_dtype="int2").kv_format(dtype, "bf16") == expected
+
+
 def test_round_trips_through_dict_and_yaml():
     policy = KVPolicy(
         k_dtype="fp8",
@@ -92,6 +121,12 @@ def test_round_trips_through_dict_and_yaml():
     assert KVPolicy.from_dict(policy.to_dict()) == policy
     assert KVPolicy.from_yaml(policy.to_yaml()) == policy
     assert yaml.safe_load(policy.to_yaml())["layer_dtypes"] == ["fp8/fp4", "fp16/fp8"]
+    integer = KVPolicy(
+        k_dtype="int4", v_dtype="int2", layer_dtypes=("int8/int4",), rotation="hadamard"
+    )
+    assert KVPolicy.from_dict(integer.to_dict()) == integer
+    assert KVPolicy.from_yaml(integer.to_yaml()) == integer
+    assert yaml.safe_load(integer.to_yaml())["rotation"] == "hadamard"
 
 
 def test_numeric_strings_for_group_size_are_accepted():
