@@ -31,9 +31,6 @@ from runtime.policy import PER_TENSOR, KVPolicy
 
 EXACT = ("auto", "fp16", "bf16")
 VLLM_CUDA_MAX_BLOCK = 32
-# Concurrency limit written into engine configs: beyond this a device's compute, not its KV
-# memory, bounds throughput (and the engines' own defaults are of this order).
-MAX_ENGINE_SEQS = 1024
 MXFP4_GROUP = 32
 MIB = 1 << 20
 
@@ -99,6 +96,48 @@ def sglang_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
     group = MXFP4_GROUP if arch.cached_vector_size % MXFP4_GROUP == 0 else PER_TENSOR
     pairs = ["fp4/fp4"] * layers
     return EngineMapping("fp4_e2m1", (), _engine_policy(policy, pairs, group, "e4m3"))
+
+
+def layer_ranges(items: Sequence[str]) -> list[str]:
+    """Runs of equal per-layer values: ["layers 0-9: fp8/fp8", "layer 10: auto/auto"]."""
+    runs: list[list[Any]] = []
+    for index, item in enumerate(items):
+        if runs and runs[-1][2] == item:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index, item])
+    return [
+        f"layer {first}: {item}" if first == last else f"layers {first}-{last}: {item}"
+        for first, last, item in runs
+    ]
+
+
+def index_ranges(indices: Sequence[int]) -> str:
+    """Sorted layer indices as ranges: [0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for index in indices:
+        if runs and runs[-1][1] == index - 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def compact_policy(policy: KVPolicy, num_layers: int) -> str:
+    """A policy for people: the per-layer K/V pairs as ranges, then the other fields."""
+    pairs = ["/".join(pair) for pair in policy.layer_pairs(num_layers)]
+    others = {k: v for k, v in policy.to_dict().items() if k not in ("k_dtype", "v_dtype")}
+    others.pop("layer_dtypes")
+    fields = ", ".join(f"{k}={v}" for k, v in others.items())
+    return f"{'; '.join(layer_ranges(pairs))} ({fields})"
+
+
+def engine_max_num_seqs(
+    arch: ModelArch, mapping: EngineMapping, device: DeviceSpec, serve: ServeSettings
+) -> int:
+    """max-num-seqs for an engine: how many sequences of the workload's context its nearest
+    config fits on the target device (the planner's arithmetic; at least 1)."""
+    return max(1, _capacity("engine", arch, mapping.equivalent, device, serve).max_num_seqs)
 
 
 def _capacity(
@@ -238,14 +277,12 @@ def notes_markdown(
     ]
     for name, mapping in engines.items():
         skip = (
-            f", kv-cache-dtype-skip-layers {list(mapping.skip_layers)}"
+            f", kv-cache-dtype-skip-layers {index_ranges(mapping.skip_layers)}"
             if mapping.skip_layers
             else ""
         )
         lines.append(f"- {name}: kv-cache-dtype {mapping.kv_cache_dtype}{skip}")
-        lines.append(
-            f"  `{yaml.safe_dump(mapping.equivalent.to_dict(), default_flow_style=True).strip()}`"
-        )
+        lines.append(f"  kvtune form: {compact_policy(mapping.equivalent, arch.num_layers)}")
     lines += [
         "",
         f"## Capacity on {device.name} at the workload's context ({workload.context_len} tokens)",
@@ -275,8 +312,9 @@ def notes_markdown(
         lines += ["", "Planner advice:", "", *[f"- {w}" for w in plan.warnings]]
     lines += [
         "",
-        "max-num-seqs / --max-running-requests: the sequences of the workload's context that "
-        f"fit (nearest engine config), capped at {MAX_ENGINE_SEQS}; vLLM also needs "
+        "max-num-seqs / --max-running-requests: the sequences of the workload's context "
+        f"({workload.context_len} tokens) that the nearest engine config fits on {device.name} "
+        "(the capacity table above; at least 1); vLLM also needs "
         "max-num-batched-tokens >= max-num-seqs, so that is max(chunk_size, max-num-seqs).",
     ]
     if policy.block_size > VLLM_CUDA_MAX_BLOCK:
@@ -305,12 +343,7 @@ def write_export(
         "vLLM": vllm_mapping(policy, arch.num_layers),
         "SGLang": sglang_mapping(policy, arch),
     }
-    capacity = {
-        name: min(
-            MAX_ENGINE_SEQS, max(1, _capacity(name, arch, m.equivalent, device, serve).max_num_seqs)
-        )
-        for name, m in engines.items()
-    }
+    capacity = {name: engine_max_num_seqs(arch, m, device, serve) for name, m in engines.items()}
     folder.mkdir(parents=True, exist_ok=True)
     header = f"# kvtune policy: study {study_name}, pick {pick}, trial {record.number}\n"
     files = {

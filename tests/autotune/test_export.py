@@ -1,23 +1,35 @@
 """Picking a trial and mapping its policy onto vLLM and SGLang options."""
 
+from pathlib import Path
+
 import pytest
 import yaml
 
-from autotune.config.settings import ServeSettings
+from autotune.config.settings import DeviceSpec, ServeSettings, build_device, build_model_arch
+from autotune.config.workload import Workload
 from autotune.export.engines import (
-    MAX_ENGINE_SEQS,
+    compact_policy,
+    engine_max_num_seqs,
+    index_ranges,
     layer_levels,
+    layer_ranges,
     sglang_args,
     sglang_mapping,
     vllm_config,
     vllm_mapping,
+    write_export,
 )
+from autotune.search.sensitivity import RuntimeSettings
+from autotune.search.space import SearchConfig
+from autotune.study.objectives import Constraints
+from autotune.study.recipe import TuneSetup
 from autotune.study.results import TrialRecord, pareto_front, pick_trial
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
 from runtime.kv_bytes import kv_bytes_per_sequence
 from runtime.policy import KVPolicy
 
+CONF = Path(__file__).resolve().parents[2] / "conf"
 ARCH = ModelArch("test", 4, 4, 2, 64, 1 << 30, 8192)
 SERVE = ServeSettings(max_model_len=4096, gpu_memory_utilization=0.85, expected_context_len=1024)
 # Every key `vllm serve --config` accepts that an export may write (checked against vLLM's
@@ -98,7 +110,30 @@ def test_engine_configs_never_hold_less_precision_than_the_policy():
     ours = kv_bytes_per_sequence(ARCH, policy, 1024)
     for mapping in (vllm_mapping(policy, 4), sglang_mapping(policy, ARCH)):
         assert kv_bytes_per_sequence(ARCH, mapping.equivalent, 1024) >= ours
-    assert MAX_ENGINE_SEQS >= 256
+
+
+def test_max_num_seqs_is_what_the_target_device_fits():
+    mapping = vllm_mapping(mixed_policy(), 4)  # layer 0 bf16, layers 1-3 fp8 per tensor
+    # A token: 2 KV heads x 64 x (K, V) x (2 B in layer 0 + 1 B in each of 3 fp8 layers).
+    per_sequence = 2 * 64 * 2 * (2 + 3 * 1) * SERVE.expected_context_len
+    for memory_gib in (24, 80, 141):
+        device = DeviceSpec(f"{memory_gib}g", memory_gib, 1000)
+        # memory x 0.85 - 1 GiB of weights - 1 GiB activation reserve
+        budget = int(memory_gib * GIB * 0.85) - 2 * GIB
+        assert engine_max_num_seqs(ARCH, mapping, device, SERVE) == budget // per_sequence
+    assert engine_max_num_seqs(ARCH, mapping, DeviceSpec("tiny", 1, 1000), SERVE) == 1
+
+
+def test_layer_ranges_keep_notes_short():
+    pairs = ["fp8/fp8"] * 10 + ["auto/auto"] + ["fp8/fp8"] * 19
+    assert layer_ranges(pairs) == [
+        "layers 0-9: fp8/fp8",
+        "layer 10: auto/auto",
+        "layers 11-29: fp8/fp8",
+    ]
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8"
+    uniform = compact_policy(KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=16), 30)
+    assert uniform.startswith("layers 0-29: fp8/fp8 (") and uniform.count("fp8/fp8") == 1
 
 
 def record(number, retention, kv_bytes, tpot=10.0, feasible=True, state="COMPLETE"):
@@ -143,3 +178,54 @@ def test_bad_picks_fail_naming_pick(pick, filters):
     with pytest.raises(ConfigError) as error:
         pick_trial(RECORDS, OBJECTIVES, pick, **filters)
     assert error.value.field == "pick"
+
+
+def preset(group: str, name: str) -> dict:
+    return yaml.safe_load((CONF / group / f"{name}.yaml").read_text())
+
+
+def smollm_chat_setup() -> TuneSetup:
+    """What an export of a SmolLM2 chat study reads, from the project's presets."""
+    arch = build_model_arch(preset("model", "smollm2-135m"))
+    workload = Workload.from_dict(preset("workload", "chat"))
+    limits = {"max_model_len": workload.max_model_len, "expected_context_len": workload.context_len}
+    serve = ServeSettings(**{**preset("serve", "default"), **limits})
+    return TuneSetup(
+        recipe={},
+        model="smollm2-135m",
+        folder=Path("unused"),
+        arch=arch,
+        device=build_device(preset("device", "cpu")),
+        serve=serve,
+        workload=workload,
+        search=SearchConfig.from_dict(preset("search", "default"), arch),
+        objectives=OBJECTIVES,
+        constraints=Constraints(),
+        suite={"name": "quick"},
+        runtime=RuntimeSettings(),
+    )
+
+
+def test_exports_are_sized_for_the_target_device_and_notes_are_compact(tmp_path):
+    setup = smollm_chat_setup()
+    pairs = ("fp8/fp8",) * 10 + ("fp16/fp16",) + ("fp8/fp8",) * 19
+    policy = KVPolicy(layer_dtypes=pairs, group_size="tensor")
+    trial = TrialRecord(3, "COMPLETE", policy, {"accuracy_retention": 0.99}, True, None, None)
+    seqs = {}
+    for name in ("l4-24gb", "h200-141gb"):
+        device = build_device(preset("device", name))
+        write_export(tmp_path / name, trial, setup, device, "s", "knee")
+        vllm = yaml.safe_load((tmp_path / name / "vllm.yaml").read_text())
+        mapping = vllm_mapping(policy, 30)
+        # SmolLM2: 3 KV heads x 64 dims x (K, V); layer 10 in bf16 (2 B), 29 layers fp8 (1 B).
+        per_sequence = 3 * 64 * 2 * (2 + 29) * setup.workload.context_len
+        budget = int(device.memory_gib * GIB * 0.9 - setup.arch.weights_bytes - GIB)
+        assert vllm["max-num-seqs"] == budget // per_sequence
+        assert vllm["max-num-seqs"] == engine_max_num_seqs(setup.arch, mapping, device, setup.serve)
+        seqs[name] = vllm["max-num-seqs"]
+        notes = (tmp_path / name / "NOTES.md").read_text()
+        assert "kv-cache-dtype-skip-layers 10\n" in notes
+        ranges = "layers 0-9: fp8/fp8; layer 10: auto/auto; layers 11-29: fp8/fp8"
+        assert f"kvtune form: {ranges}" in notes
+        assert max(line.count("fp8/fp8") for line in notes.splitlines()) <= 2
+    assert seqs["h200-141gb"] > 5 * seqs["l4-24gb"] > 1024
