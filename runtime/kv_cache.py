@@ -25,6 +25,7 @@ import torch
 
 from kernels.attention import PagedStream
 from kernels.pool import KVPool
+from kernels.rotation import rotate, rotation_matrix, unrotate
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
 from runtime.block_manager import MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
@@ -110,9 +111,16 @@ class KVCache:
         self.layers: list[LayerPools] = []
         bs, heads, size = policy.block_size, arch.cached_heads, arch.cached_vector_size
         counts = {kind: pool.num_blocks for kind, pool in blocks.pools.items()}
-        for formats, (k_scale, v_scale) in zip(
-            layer_formats(arch, policy), tensor_scales, strict=True
-        ):
+        formats_by_layer = layer_formats(arch, policy)
+        # Layers with a quantized stream cache K and V rotated (policy.rotation), all their
+        # pools alike; one fp32 [D, D] matrix a layer, or None.
+        self.rotations = [
+            rotation_matrix(policy.rotation, size, layer, device)
+            if formats.k.quantized or formats.v.quantized
+            else None
+            for layer, formats in enumerate(formats_by_layer)
+        ]
+        for formats, (k_scale, v_scale) in zip(formats_by_layer, tensor_scales, strict=True):
             k_pools = {
                 MAIN: KVPool.allocate(formats.k, counts[MAIN], bs, heads, size, k_scale, device)
             }
@@ -257,6 +265,9 @@ class KVCache:
         scale: float,
     ) -> torch.Tensor:
         """Write this step's K/V of one layer, then attend its queries over the cache."""
+        dtype, rotation = q.dtype, self.rotations[layer]
+        if rotation is not None:  # q.k is unchanged; the output is rotated back below
+            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])
@@ -279,7 +290,9 @@ class KVCache:
         out = self.ops.attention(
             q, positions, layout.q_seq_starts, streams, scale, layout.max_q_len
         )
-        return out.to(q.dtype)
+        if rotation is not None:
+            out = unrotate(out, rotation)
+        return out.to(dtype)
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:
         """Execute compressions and recent->main moves on every layer (sources freed by caller)."""
