@@ -7,7 +7,8 @@ zero point) and torch references that encode / decode its stored bytes. `KVForma
 adding a format is one entry here plus its code functions in their own module.
 
 CODE values of the device helpers: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1,
-and CODE_UINT + bits for the unsigned integer codes of the asymmetric formats.
+CODE_E2M1_TIES_AWAY (E2M1 rounded as SGLang's fp4_mx_block16 does: halfway values away from
+zero), and CODE_UINT + bits for the unsigned integer codes of the asymmetric formats.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from kernels.fp_codes import (
     decode_e4m3_fast,
     decode_packed_e2m1_fast,
     encode_e2m1_fast,
+    encode_e2m1_ties_away_ref,
     encode_e4m3_fast,
     pack_e2m1_ref,
 )
@@ -29,6 +32,7 @@ from kernels.int_codes import encode_uint_ref, pack_codes_ref, unpack_codes_ref
 CODE_FLOAT = 0
 CODE_E4M3 = 1
 CODE_E2M1 = 2
+CODE_E2M1_TIES_AWAY = 3
 CODE_UINT = 16
 
 
@@ -80,7 +84,28 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
         lambda x: pack_e2m1_ref(encode_e2m1_fast(x)),
         decode_packed_e2m1_fast,
     ),
+    "fp4_ties_away": ElementFormat(
+        4,
+        CODE_E2M1_TIES_AWAY,
+        6.0,
+        False,
+        lambda x: pack_e2m1_ref(encode_e2m1_ties_away_ref(x)),
+        decode_packed_e2m1_fast,
+    ),
     "int8": _uint_format(8),
     "int4": _uint_format(4),
     "int2": _uint_format(2),
 }
+_BY_CODE = {element.code: element for element in ELEMENT_FORMATS.values()}
+
+
+@triton.constexpr_function
+def code_bits(code):
+    """Bits of one code of the element format with this CODE (a Triton constexpr)."""
+    return _BY_CODE[code].bits
+
+
+@triton.constexpr_function
+def code_max(code):
+    """max_code of the element format with this CODE (a Triton constexpr)."""
+    return _BY_CODE[code].max_code

@@ -12,6 +12,11 @@ maps to +-6 there. Signed zeros keep their sign bit.
 Codes: E4M3 is one uint8 (sign bit 0x80, bias 7, 0x7F/0xFF are NaN, no infinities); E2M1 is
 one nibble 0..15 held in a uint8 (sign bit 0x8, bias 1, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6).
 
+`encode_e2m1_ties_away` is a second E2M1 encoder, SGLang's (fp4_mx_block16): the nearest code
+with halfway values rounded away from zero (2.5 -> 3, 5 -> 6), saturating at 6, and the sign
+bit set only for x < 0 (-0.0 gives +0). It compares |x| with the midpoints of the grid, which is
+exact in fp32; NaN gives code 0.
+
 Nibble packing (FP4 storage): element 2i goes to the low nibble (bits 0-3) of byte i, element
 2i+1 to the high nibble (bits 4-7); see `pack_e2m1_ref` / `unpack_e2m1_ref`.
 
@@ -144,6 +149,19 @@ def decode_e2m1(code):
 
 
 @triton.jit
+def encode_e2m1_ties_away(x):
+    """fp32 tile -> uint8 E2M1 nibbles, nearest with ties away from zero, saturating at +-6;
+    sign bit for x < 0 only. The magnitude code is the number of midpoints of the grid
+    0, 0.5, 1, 1.5, 2, 3, 4, 6 that |x| reaches."""
+    magnitude = tl.abs(x)
+    code = (magnitude >= 0.25).to(tl.int32) + (magnitude >= 0.75).to(tl.int32)
+    code += (magnitude >= 1.25).to(tl.int32) + (magnitude >= 1.75).to(tl.int32)
+    code += (magnitude >= 2.5).to(tl.int32) + (magnitude >= 3.5).to(tl.int32)
+    code += (magnitude >= 5.0).to(tl.int32)
+    return (code | tl.where(x < 0, 8, 0)).to(tl.uint8)
+
+
+@triton.jit
 def round_to_bf16(x):
     """fp32 tile -> bf16 tile, round to nearest even (NaN stays NaN, overflow gives inf)."""
     bits = x.to(tl.int32, bitcast=True)
@@ -212,6 +230,18 @@ def encode_e2m1_ref(x: torch.Tensor) -> torch.Tensor:
     """Float tensor -> uint8 E2M1 nibbles 0..15 (RNE, saturating at +-6, NaN -> +-6)."""
     magnitudes = decode_e2m1_ref(torch.arange(8, device=x.device))
     return _encode_ref(x, magnitudes, 0x8)
+
+
+def encode_e2m1_ties_away_ref(x: torch.Tensor) -> torch.Tensor:
+    """Float tensor -> uint8 E2M1 nibbles: nearest magnitude in the E2M1 table, ties to the
+    larger one (ties away from zero), saturating at 6; sign bit for x < 0 only."""
+    x = x.float()
+    table = decode_e2m1_ref(torch.arange(8, device=x.device)).double()
+    magnitude = x.abs().double().clamp(max=table[-1].item())
+    distance = (magnitude[..., None] - table).abs()
+    # argmin keeps the first of equal distances; reversing the table makes that the larger.
+    code = 7 - distance.flip(-1).argmin(dim=-1)
+    return (code | torch.where(x < 0, 0x8, 0)).to(torch.uint8)
 
 
 def encode_e4m3_fast(x: torch.Tensor) -> torch.Tensor:

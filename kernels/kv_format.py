@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.element_formats import ELEMENT_FORMATS, ElementFormat
+from kernels.scale_formats import SCALE_FORMATS, ScaleFormat
 
 QUANTIZED_DTYPES: tuple[str, ...] = tuple(ELEMENT_FORMATS)
 ELEMENT_BITS: dict[str, int] = {
@@ -19,9 +20,11 @@ ELEMENT_BITS: dict[str, int] = {
     "bf16": 16,
     **{name: element.bits for name, element in ELEMENT_FORMATS.items()},
 }
-SCALE_BYTES: dict[str, int] = {"fp16": 2, "e4m3": 1}
+SCALE_BYTES: dict[str, int] = {name: scale.nbytes for name, scale in SCALE_FORMATS.items()}
 # Scale dtypes that can hold a zero point (an E4M3 code has no room for a signed offset).
-ZERO_POINT_SCALE_DTYPES: tuple[str, ...] = ("fp16",)
+ZERO_POINT_SCALE_DTYPES: tuple[str, ...] = tuple(
+    name for name, scale in SCALE_FORMATS.items() if scale.zero_point
+)
 # Where a quantized stream's fp32 tensor scale comes from: measured on a calibration text
 # (runtime.calibration), or 1 (what vLLM and SGLang use when the checkpoint carries no
 # k_scale / v_scale).
@@ -38,14 +41,17 @@ class KVFormat:
     """Storage format of one K or V stream.
 
     dtype: fp32 | fp16 | bf16 (stored as is), fp8 (E4M3) | fp4 (E2M1, two codes a byte:
-        element 2i in the low nibble, element 2i+1 in the high nibble), or the asymmetric
+        element 2i in the low nibble, element 2i+1 in the high nibble), fp4_ties_away (the same
+        codes rounded with halfway values away from zero, SGLang's), or the asymmetric
         uniform int8 | int4 | int2 (unsigned codes packed the same way, a scale and a zero
         point per group; see `kernels.element_formats`).
     group_size: elements along head_dim sharing one scale (and zero point); None means one fp32
         scale for the whole tensor (per layer and per K/V, as vLLM's fp8 cache), which the
         integer formats refuse: they need a zero point per group. Ignored when unquantized.
-    scale_dtype: fp16, or e4m3 (NVFP4-style: E4M3 group scales times an fp32 tensor scale).
-        Zero points are stored in the scale dtype, so the integer formats need fp16.
+    scale_dtype: fp16, e4m3 (NVFP4-style: E4M3 group scales times an fp32 tensor scale), fp32
+        (vLLM's per-token-head scales) or ue8m0 (powers of two, MX-style); see
+        `kernels.scale_formats`. Zero points are stored in the scale dtype, so the integer
+        formats need fp16.
     token_group: consecutive tokens of a block sharing each scale: 1 (per-token scales) or a
         divisor of the block size. group_size 1 with token_group = block_size is KIVI's
         per-channel key layout: one scale (and zero point) per channel per block, which follows
@@ -162,8 +168,13 @@ class KVFormat:
         return torch.uint8 if self.quantized else TORCH_DTYPES[self.dtype]
 
     @property
+    def scale_format(self) -> ScaleFormat:
+        """The registered group-scale dtype."""
+        return SCALE_FORMATS[self.scale_dtype]
+
+    @property
     def scale_torch_dtype(self) -> torch.dtype:
-        return torch.float16 if self.scale_dtype == "fp16" else torch.uint8
+        return self.scale_format.torch_dtype
 
     def allocate(
         self,

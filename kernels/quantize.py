@@ -1,11 +1,16 @@
 """Per-group quantization of K/V vectors to a `KVFormat`: Triton device helpers, launchers and
 torch references.
 
-One rule for every symmetric format (fp8, fp4), in "tensor-scaled units" x_t = x / tensor_scale:
+One rule for every symmetric format (fp8, fp4, fp4_ties_away), in "tensor-scaled units"
+x_t = x / tensor_scale:
 
-    group scale s_g = round_to_scale_dtype(amax_g(|x_t|) / max_code)   (fp16, or E4M3 codes)
-    code            = encode(x_t / s_g)                                 (all codes 0 when s_g == 0)
+    group scale s_g = decode(encode(max(amax_g(|x_t|) / max_code, floor)))   (scale dtype)
+    code            = encode(x_t / s_g), or encode(x_t * fp32(1 / s_g))     (0 when s_g == 0)
     value           = (decode(code) * s_g) * tensor_scale
+
+where the scale dtype (`kernels.scale_formats`: fp16, E4M3, fp32, UE8M0) sets the floor, the
+rounding of the scale and whether elements are multiplied by its reciprocal (fp32, as vLLM's
+per-token-head kernels do),
 
 and one for the asymmetric uniform formats (int8, int4, int2; max_code = 2^bits - 1, fp16 only):
 
@@ -40,8 +45,10 @@ Device helpers for other kernels (cache writes, attention, compression) address 
                         NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
 
 `format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 / TOKEN_GROUP constexprs of a
-format. A format with a zero point keeps it in the scales buffer, after the vector's group
-scales, so the helpers need no extra pointer.
+format. SCALE_E4M3 carries the scale dtype's SCALE code (`kernels.scale_formats`: 0 fp16,
+1 e4m3, 2 fp32, 3 ue8m0); it keeps the name it had when e4m3 was the only alternative, so the
+kernels that pass it through need no change. A format with a zero point keeps it in the scales
+buffer, after the vector's group scales, so the helpers need no extra pointer.
 
 Token-grouped formats (TOKEN_GROUP > 1, e.g. per-channel key scales over a block) share one row
 of scales among TOKEN_GROUP consecutive rows: a group is the group_size elements of a channel
@@ -57,22 +64,24 @@ import triton
 import triton.language as tl
 
 from kernels import element_formats
+from kernels.element_formats import code_bits, code_max
 from kernels.fp_codes import (
     decode_e2m1,
     decode_e4m3,
-    decode_e4m3_fast,
     encode_e2m1,
+    encode_e2m1_ties_away,
     encode_e4m3,
-    encode_e4m3_fast,
     round_to_bf16,
 )
 from kernels.int_codes import encode_uint
 from kernels.kv_format import KVFormat
+from kernels.scale_formats import decode_scale, encode_scale, scale_floor, scale_reciprocal
 
 # Element code kinds, the CODE constexpr of the device helpers (CODE_UINT + bits for integers).
 CODE_FLOAT = tl.constexpr(element_formats.CODE_FLOAT)
 CODE_E4M3 = tl.constexpr(element_formats.CODE_E4M3)
 CODE_E2M1 = tl.constexpr(element_formats.CODE_E2M1)
+CODE_E2M1_TIES_AWAY = tl.constexpr(element_formats.CODE_E2M1_TIES_AWAY)
 CODE_UINT = tl.constexpr(element_formats.CODE_UINT)
 
 # fp32 elements one program handles in the quantize / dequantize launchers.
@@ -82,15 +91,16 @@ TILE_ELEMENTS = 4096
 def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
-    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1 or CODE_UINT + bits
-    (asymmetric integer codes with zero points); GROUP_SIZE: elements a group scale covers, 0
-    for none; SCALE_E4M3: group scales are E4M3 codes, not fp16; TOKEN_GROUP: consecutive rows
-    sharing a row of scales.
+    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY or
+    CODE_UINT + bits (asymmetric integer codes with zero points); GROUP_SIZE: elements a group
+    scale covers, 0 for none; SCALE_E4M3: the SCALE code of the group scales' dtype (0 fp16,
+    1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP: consecutive rows sharing a row of
+    scales.
     """
     return {
         f"{prefix}CODE": fmt.element.code if fmt.quantized else CODE_FLOAT.value,
         f"{prefix}GROUP_SIZE": fmt.group_size or 0,
-        f"{prefix}SCALE_E4M3": fmt.quantized and fmt.scale_dtype == "e4m3",
+        f"{prefix}SCALE_E4M3": fmt.scale_format.code if fmt.quantized else 0,
         f"{prefix}TOKEN_GROUP": fmt.token_group,
     }
 
@@ -159,9 +169,7 @@ def load_dequant_tile(
         offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
         values = tl.load(codes_ptr + offsets, mask=dmask, other=0.0).to(tl.float32)
     else:
-        BITS: tl.constexpr = (
-            8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
-        )
+        BITS: tl.constexpr = code_bits(CODE)
         PER_BYTE: tl.constexpr = 8 // BITS
         offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + dims[None, :] // PER_BYTE
         codes = tl.load(codes_ptr + offsets, mask=dmask, other=0)
@@ -171,7 +179,7 @@ def load_dequant_tile(
             codes = (codes >> shifts) & (2**BITS - 1)
         if CODE == CODE_E4M3:
             values = decode_e4m3(codes)
-        elif CODE == CODE_E2M1:
+        elif CODE == CODE_E2M1 or CODE == CODE_E2M1_TIES_AWAY:  # noqa: SIM109 (constexprs)
             values = decode_e2m1(codes)
         else:
             values = codes.to(tl.float32)
@@ -182,7 +190,7 @@ def load_dequant_tile(
             scale_rows = (rows.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head
             offsets = scale_rows[:, None] * (NUM_GROUPS * PARAMS) + dims[None, :] // GROUP_SIZE
             stored = tl.load(scales_ptr + offsets, mask=dmask, other=0)
-            values = values * (decode_e4m3(stored) if SCALE_E4M3 else stored.to(tl.float32))
+            values = values * decode_scale(stored, SCALE_E4M3)
             if ZERO_POINT:
                 zero = tl.load(scales_ptr + offsets + NUM_GROUPS, mask=dmask, other=0)
                 values = values + zero.to(tl.float32)
@@ -198,12 +206,12 @@ def _group_parameters(
     mask,
     HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    SCALE_E4M3: tl.constexpr,
+    SCALE: tl.constexpr,
     MAX_CODE: tl.constexpr,
     ZERO_POINT: tl.constexpr,
 ):
-    """Store the group scales of a tile in tensor-scaled units, then its zero points when
-    ZERO_POINT; return scales and zero points (0 without ZERO_POINT) as fp32 [R, G]."""
+    """Store the group scales (SCALE dtype) of a tile in tensor-scaled units, then its zero
+    points when ZERO_POINT; return scales and zero points (0 without ZERO_POINT) as fp32 [R, G]."""
     BLOCK_R: tl.constexpr = scaled.shape[0]
     NUM_GROUPS: tl.constexpr = scaled.shape[1] // GROUP_SIZE
     grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
@@ -215,12 +223,11 @@ def _group_parameters(
         zero = tl.zeros((BLOCK_R, NUM_GROUPS), tl.float32)
         span = tl.max(tl.abs(grouped), axis=2)
     exact = tl.math.div_rn(span, tl.full(span.shape, MAX_CODE, tl.float32))
-    if SCALE_E4M3:
-        stored = encode_e4m3(exact)
-        scale = decode_e4m3(stored)
-    else:
-        stored = exact.to(tl.float16)
-        scale = stored.to(tl.float32)
+    FLOOR: tl.constexpr = scale_floor(SCALE)
+    if FLOOR > 0:
+        exact = tl.maximum(exact, FLOOR)
+    stored = encode_scale(exact, SCALE)
+    scale = decode_scale(stored, SCALE)
     PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
     groups = tl.arange(0, NUM_GROUPS)
     offsets = vectors[:, None] * (PARAMS * (HEAD_DIM // GROUP_SIZE)) + groups[None, :]
@@ -243,12 +250,14 @@ def _store_codes(
     """Encode a tile [R, BLOCK_D] already in code units and store it, packed, at vectors."""
     BLOCK_R: tl.constexpr = scaled.shape[0]
     BLOCK_D: tl.constexpr = scaled.shape[1]
-    BITS: tl.constexpr = 8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
+    BITS: tl.constexpr = code_bits(CODE)
     PER_BYTE: tl.constexpr = 8 // BITS
     if CODE == CODE_E4M3:
         codes = encode_e4m3(scaled).to(tl.int32)
     elif CODE == CODE_E2M1:
         codes = encode_e2m1(scaled).to(tl.int32)
+    elif CODE == CODE_E2M1_TIES_AWAY:
+        codes = encode_e2m1_ties_away(scaled).to(tl.int32)
     else:
         codes = encode_uint(scaled, BITS)
     if PER_BYTE > 1:
@@ -264,13 +273,18 @@ def _store_codes(
 
 
 @triton.jit
-def _to_code_units(grouped, scale, zero, ZERO_POINT: tl.constexpr):
-    """(x - zero) / scale per group (0 where a group's scale is 0); grouped [..., G, n] with
-    scale and zero broadcastable to it."""
+def _to_code_units(grouped, scale, zero, ZERO_POINT: tl.constexpr, RECIPROCAL: tl.constexpr):
+    """(x - zero) / scale per group, or (x - zero) * fp32(1 / scale) with RECIPROCAL (0 where a
+    group's scale is 0); grouped [..., G, n] with scale and zero broadcastable to it."""
     if ZERO_POINT:
         grouped = grouped - zero
-    divisor = tl.broadcast_to(tl.where(scale == 0.0, 1.0, scale), grouped.shape)
-    return tl.where(scale == 0.0, 0.0, tl.math.div_rn(grouped, divisor))
+    divisor = tl.where(scale == 0.0, 1.0, scale)
+    if RECIPROCAL:
+        inverse = tl.math.div_rn(tl.full(divisor.shape, 1.0, tl.float32), divisor)
+        units = grouped * inverse
+    else:
+        units = tl.math.div_rn(grouped, tl.broadcast_to(divisor, grouped.shape))
+    return tl.where(scale == 0.0, 0.0, units)
 
 
 @triton.jit
@@ -310,12 +324,7 @@ def quantize_store_tile(
             NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
             grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
             ZERO_POINT: tl.constexpr = CODE > CODE_UINT
-            BITS: tl.constexpr = (
-                8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
-            )
-            MAX_CODE: tl.constexpr = (
-                448.0 if CODE == CODE_E4M3 else (6.0 if CODE == CODE_E2M1 else 2.0**BITS - 1)
-            )
+            MAX_CODE: tl.constexpr = code_max(CODE)
             scale, zero = _group_parameters(
                 scaled,
                 scales_ptr,
@@ -327,7 +336,13 @@ def quantize_store_tile(
                 MAX_CODE,
                 ZERO_POINT,
             )
-            grouped = _to_code_units(grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT)
+            grouped = _to_code_units(
+                grouped,
+                scale[:, :, None],
+                zero[:, :, None],
+                ZERO_POINT,
+                scale_reciprocal(SCALE_E4M3),
+            )
             scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
         _store_codes(codes_ptr, vectors, mask, scaled, HEAD_DIM, CODE)
 
@@ -352,10 +367,7 @@ def quantize_store_token_groups(
     BLOCK_D: tl.constexpr = values.shape[1]
     NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
     ZERO_POINT: tl.constexpr = CODE > CODE_UINT
-    BITS: tl.constexpr = 8 if CODE == CODE_E4M3 else (4 if CODE == CODE_E2M1 else CODE - CODE_UINT)
-    MAX_CODE: tl.constexpr = (
-        448.0 if CODE == CODE_E4M3 else (6.0 if CODE == CODE_E2M1 else 2.0**BITS - 1)
-    )
+    MAX_CODE: tl.constexpr = code_max(CODE)
     dims = tl.arange(0, BLOCK_D)
     rows = first_row.to(tl.int64) + tl.arange(0, TOKEN_GROUP)
     dmask = dims[None, :] < HEAD_DIM
@@ -377,7 +389,9 @@ def quantize_store_token_groups(
         MAX_CODE,
         ZERO_POINT,
     )
-    grouped = _to_code_units(grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT)
+    grouped = _to_code_units(
+        grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT, scale_reciprocal(SCALE_E4M3)
+    )
     scaled = tl.reshape(grouped, (TOKEN_GROUP, BLOCK_D))
     vectors = rows * NUM_HEADS + head
     _store_codes(codes_ptr, vectors, tl.full((TOKEN_GROUP,), True, tl.int1), scaled, HEAD_DIM, CODE)
@@ -595,14 +609,14 @@ def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Te
         scale = scales.float()
         grouped = grouped - zeros.float()[..., None]
         scales = torch.cat((scales, zeros), dim=-1)
-    elif fmt.scale_dtype == "e4m3":
-        scales = encode_e4m3_fast(grouped.abs().amax(dim=-1) / fmt.max_code)
-        scale = decode_e4m3_fast(scales)
     else:
-        scales = (grouped.abs().amax(dim=-1) / fmt.max_code).half()
-        scale = scales.float()
+        scale_format = fmt.scale_format
+        exact = (grouped.abs().amax(dim=-1) / fmt.max_code).clamp(min=scale_format.floor)
+        scales = scale_format.encode(exact)
+        scale = scale_format.decode(scales)
     divisor = torch.where(scale == 0, 1.0, scale)[..., None]
-    return torch.where(scale[..., None] == 0, 0.0, grouped / divisor), scales
+    units = grouped * (1.0 / divisor) if fmt.scale_format.reciprocal else grouped / divisor
+    return torch.where(scale[..., None] == 0, 0.0, units), scales
 
 
 def dequantize_ref(
@@ -620,7 +634,7 @@ def dequantize_ref(
     values = fmt.element.decode(codes)
     if scales is not None:
         groups = head_dim // fmt.group_size
-        scale = decode_e4m3_fast(scales) if fmt.scale_dtype == "e4m3" else scales.float()
+        scale = fmt.scale_format.decode(scales)
         grouped = values.unflatten(-1, (groups, -1)) * scale[..., :groups, None]
         if fmt.zero_point:
             grouped = grouped + scale[..., groups:, None]

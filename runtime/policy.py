@@ -16,6 +16,7 @@ import yaml
 from kernels.element_formats import ELEMENT_FORMATS
 from kernels.kv_format import QUANTIZED_DTYPES, TENSOR_SCALES, ZERO_POINT_SCALE_DTYPES, KVFormat
 from kernels.rotation import ROTATIONS, is_power_of_two
+from kernels.scale_formats import SCALE_FORMATS
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 
@@ -24,7 +25,7 @@ KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", *QUANTIZED_DTYPES)
 ZERO_POINT_DTYPES: tuple[str, ...] = tuple(
     name for name, element in ELEMENT_FORMATS.items() if element.zero_point
 )
-SCALE_DTYPES: tuple[str, ...] = ("fp16", "e4m3")
+SCALE_DTYPES: tuple[str, ...] = tuple(SCALE_FORMATS)
 ROTATION_NAMES: tuple[str, ...] = tuple(ROTATIONS)
 NO_ROTATION = "none"
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
@@ -67,14 +68,16 @@ class KVPolicy:
 
     k_dtype, v_dtype: default element format of keys and values in every layer
         (auto = the model's compute dtype, the exact reference path): fp16, bf16, fp8 (E4M3),
-        fp4 (E2M1), or the asymmetric uniform int8, int4, int2 (a scale and a zero point per
-        group; see kernels/quantize.py).
+        fp4 (E2M1), fp4_ties_away (E2M1 rounded as SGLang's fp4_mx_block16), or the asymmetric
+        uniform int8, int4, int2 (a scale and a zero point per group; see kernels/quantize.py).
     layer_dtypes: optional "K/V" pair per layer overriding the defaults, e.g. ("fp8/fp4", ...).
     group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
         and per K/V (fp8/fp4 only: the integer formats need a group). Only quantized streams
         store scales.
-    scale_dtype: fp16 group scales, or e4m3 (NVFP4-style, with an fp32 per-tensor scale; not
-        with the integer formats, whose zero points are stored in the scale dtype).
+    scale_dtype: fp16 group scales, e4m3 (NVFP4-style, with an fp32 per-tensor scale), fp32
+        (vLLM's per-token-head scales) or ue8m0 (powers of two, MX-style); see
+        kernels/scale_formats.py. The integer formats need fp16: their zero points are stored
+        in the scale dtype.
     k_scale_axis: token (keys grouped along head_dim per token, like values), or channel (one
         scale per channel per block of block_size keys, KIVI-style: fixed outlier channels no
         longer set every token's scale). A channel-scaled block is quantized once full; until

@@ -10,6 +10,7 @@ per KV head must equal that reference's byte formula.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +37,26 @@ Encoded = tuple[np.ndarray, np.ndarray | None]
 @dataclass(frozen=True)
 class Engine:
     """An engine's --kv-cache-dtype: its name for the byte formula and its reference encoder
-    and decoder (x [..., D] float32 -> (codes as stored, scales as stored or None))."""
+    and decoder (x [..., D] float32 -> (codes as stored, scales as stored or None), scales
+    [..., scales per vector] as kvtune lays them out). per_vector: one scale per vector, so the
+    preset's group_size is the head_dim it was written for."""
 
     engine: str
     dtype: str
     encode: Callable[[np.ndarray], Encoded]
     decode: Callable[[np.ndarray, np.ndarray | None], np.ndarray]
+    per_vector: bool = False
+
+
+def per_token_head(kind: str) -> Engine:
+    def encode(x: np.ndarray) -> Encoded:
+        codes, scales = ref.encode_per_token_head(x, kind)
+        return codes, scales[..., None]
+
+    def decode(codes: np.ndarray, scales: np.ndarray | None) -> np.ndarray:
+        return ref.decode_per_token_head(codes, scales[..., 0], kind)
+
+    return Engine("vllm", f"{kind}_per_token_head", encode, decode, per_vector=True)
 
 
 PRESETS = {
@@ -63,6 +78,10 @@ PRESETS = {
     "sglang/nvfp4": Engine(
         "sglang", "nvfp4", lambda x: ref.encode_nvfp4(x, 1.0), lambda c, s: ref.decode_nvfp4(c, s)
     ),
+    "vllm/fp8_per_token_head": per_token_head("fp8"),
+    "sglang/fp4_mx_block16": Engine(
+        "sglang", "fp4_mx_block16", ref.encode_fp4_mx_block16, ref.decode_fp4_mx_block16
+    ),
 }
 
 
@@ -73,8 +92,12 @@ def preset_policy(name: str) -> KVPolicy:
     return KVPolicy.from_dict(dict(cfg.policy))
 
 
-def preset_formats(name: str) -> tuple[KVFormat, KVFormat]:
+def preset_formats(name: str, head_dim: int = DIM) -> tuple[KVFormat, KVFormat]:
+    """K and V formats of a preset for vectors of head_dim elements (a per-vector preset's
+    group_size set to head_dim, as its comment tells users to do)."""
     policy = preset_policy(name)
+    if PRESETS[name].per_vector:
+        policy = policy.replace(group_size=head_dim)
     return (
         policy.kv_format(policy.k_dtype, "bf16", keys=True),
         policy.kv_format(policy.v_dtype, "bf16"),
@@ -102,6 +125,7 @@ def outlier_vectors(seed: int) -> torch.Tensor:
     x[6] = 0.0
     x[7, :, :16] = [6.0, 2.5, -5.0, 0.25, 0.75, -1.25, 1.75, 3.5, 5.0, -0.0, 0.5, 1, 1.5, 2, 3, 4]
     x[8, 0, ::7] = [1e4, -2e3, 600.0, -449.0, 464.0, 1e-3, -3e-7, 7e-8, 5e2, 0.01]
+    x[9, 1, ::2] = 1.5 * 2.0 ** rng.integers(-40, 40, DIM // 2)  # every binade, odd ones out
     return as_bf16(x)
 
 
@@ -161,12 +185,13 @@ def test_preset_stores_the_engines_codes_and_scales(name, data):
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_bytes_per_token_head_follow_the_engine(name):
     engine = PRESETS[name]
-    fmt_k, fmt_v = preset_formats(name)
     for head_dim in (64, 128):
+        fmt_k, fmt_v = preset_formats(name, head_dim)
         expected = ref.kv_bytes_per_token_head(engine.engine, engine.dtype, head_dim)
         assert fmt_k.vector_bytes(head_dim) + fmt_v.vector_bytes(head_dim) == expected
         per_block = fmt_k.block_bytes(head_dim, BLOCK) + fmt_v.block_bytes(head_dim, BLOCK)
         assert per_block == BLOCK * expected
+    fmt_k, fmt_v = preset_formats(name)
     k_pool = KVPool.allocate(fmt_k, NUM_BLOCKS, BLOCK, HEADS, DIM)
     v_pool = KVPool.allocate(fmt_v, NUM_BLOCKS, BLOCK, HEADS, DIM)
     allocated = sum(
@@ -191,3 +216,59 @@ def test_calibrated_tensor_scale_is_the_alternative_and_changes_the_codes():
     slots = torch.arange(TOKENS)
     write_kv_ref(x, x, slots, pool, KVPool.allocate(fmt, NUM_BLOCKS, BLOCK, HEADS, DIM, scale))
     assert not np.array_equal(stored(pool, slots)[1], ref.encode_nvfp4(x.numpy(), 1.0)[1])
+
+
+def test_preset_group_size_is_the_head_dim_it_was_written_for():
+    """A per-vector preset holds one scale per vector at SmolLM2's head_dim (64)."""
+    for name, engine in PRESETS.items():
+        if engine.per_vector:
+            assert preset_policy(name).group_size == DIM
+
+
+@pytest.mark.parametrize("power", [-30, -3, 0, 5, 40])
+def test_ue8m0_exponent_is_exact_next_to_powers_of_two(power):
+    """fp4_mx_block16's scale exponent is ceil(log2(amax / 6)), computed here in float64 (exact
+    for these float32 inputs): a block whose amax / 6 is a power of two keeps it, one ulp above
+    takes the next power (where float32 log2 may round down)."""
+    fmt_k, _ = preset_formats("sglang/fp4_mx_block16")
+    at = np.float32(6.0 * 2.0**power)
+    amaxes = [at, np.nextafter(at, np.float32(np.inf)), np.nextafter(at, np.float32(0))]
+    x = np.zeros((len(amaxes), 1, DIM), np.float32)
+    x[:, 0, 0] = amaxes
+    pool = KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM)
+    slots = torch.arange(len(amaxes))
+    write_kv(torch.from_numpy(x), torch.from_numpy(x), slots, pool, pool)
+    quotients = np.array(amaxes, np.float32) / np.float32(6.0)  # float32, as the engine divides
+    exact = [math.ceil(math.log2(float(q))) for q in quotients]
+    assert exact[1] == exact[0] + 1 == exact[2] + 1
+    assert pool.scales[0, : len(amaxes), 0, 0].tolist() == [e + 127 for e in exact]
+
+
+def reciprocal_sensitive_vectors(q_max: float, rounding: Callable[[np.ndarray], np.ndarray]):
+    """Vectors [N, 1, DIM] of bf16 values whose element x rounds differently as x / scale and as
+    x * float32(1 / scale), scale = amax / q_max (element 0 is the amax): the two ways an
+    engine can apply a per-vector scale."""
+    grid = np.arange(0x3F80, 0x4100, dtype=np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    amax, x = (a.ravel() for a in np.meshgrid(grid, grid, indexing="ij"))
+    scale = amax / np.float32(q_max)
+    divided, multiplied = rounding(x / scale), rounding(x * (np.float32(1.0) / scale))
+    pick = np.nonzero((x <= amax) & (divided != multiplied))[0][:8]
+    assert len(pick) > 0
+    vectors = np.zeros((len(pick), 1, DIM), np.float32)
+    vectors[:, 0, 0], vectors[:, 0, 1] = amax[pick], x[pick]
+    return torch.from_numpy(vectors)
+
+
+def test_per_token_head_multiplies_by_the_reciprocal_of_the_scale():
+    """vLLM multiplies by the fp32 reciprocal of the scale: where that rounds differently from
+    a division, the preset follows vLLM."""
+    fmt_k, _ = preset_formats("vllm/fp8_per_token_head")
+    e4m3 = ml_dtypes.float8_e4m3fn
+    vectors = reciprocal_sensitive_vectors(448.0, lambda y: y.astype(e4m3).view(np.uint8))
+    slots = torch.arange(len(vectors))
+    by_kernel, by_reference = (KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM) for _ in range(2))
+    write_kv(vectors, vectors, slots, by_kernel, KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM))
+    write_kv_ref(vectors, vectors, slots, by_reference, KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM))
+    codes, _ = ref.encode_per_token_head(vectors.numpy(), "fp8")
+    for pool in (by_kernel, by_reference):
+        np.testing.assert_array_equal(stored(pool, slots)[0], codes)
