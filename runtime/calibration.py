@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_format import KVFormat
+from kernels.rotation import rotate
 from runtime.kv_bytes import LayerFormats
 from runtime.model import DecoderModel, DenseCausalAttention
 
@@ -50,30 +51,40 @@ def tensor_scale(
 
 
 class _AmaxRecorder:
-    """Dense attention that also records each layer's largest |K| and |V|."""
+    """Dense attention that also records each layer's largest |K| and |V| as cached: rotated
+    first in the layers the cache rotates."""
 
-    def __init__(self, num_tokens: int, num_layers: int) -> None:
+    def __init__(self, num_tokens: int, rotations: list[torch.Tensor | None]) -> None:
         self.attention = DenseCausalAttention([num_tokens])
-        self.k_amax = [0.0] * num_layers
-        self.v_amax = [0.0] * num_layers
+        self.rotations = rotations
+        self.k_amax = [0.0] * len(rotations)
+        self.v_amax = [0.0] * len(rotations)
 
     def __call__(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        out = self.attention(layer_index, q, k, v)
+        rotation = self.rotations[layer_index]
+        if rotation is not None:
+            k, v = rotate(k, rotation), rotate(v, rotation)
         self.k_amax[layer_index] = max(self.k_amax[layer_index], float(k.abs().max()))
         self.v_amax[layer_index] = max(self.v_amax[layer_index], float(v.abs().max()))
-        return self.attention(layer_index, q, k, v)
+        return out
 
 
 @torch.no_grad()
 def calibrate_tensor_scales(
-    model: DecoderModel, token_ids: list[int], formats: list[LayerFormats]
+    model: DecoderModel,
+    token_ids: list[int],
+    formats: list[LayerFormats],
+    rotations: list[torch.Tensor | None] | None = None,
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """(K scale, V scale) per layer; skips the forward pass when no format needs one."""
+    """(K scale, V scale) per layer; skips the forward pass when no format needs one.
+    rotations: per layer, the rotation the cache stores K and V in (None: none anywhere)."""
     if not any(needs_tensor_scale(f.k) or needs_tensor_scale(f.v) for f in formats):
         return [(None, None)] * len(formats)
     device = model.embed_tokens.weight.device
-    recorder = _AmaxRecorder(len(token_ids), len(formats))
+    recorder = _AmaxRecorder(len(token_ids), rotations or [None] * len(formats))
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     model.forward(ids, torch.arange(len(token_ids), device=device), recorder)
     return [

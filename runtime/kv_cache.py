@@ -82,6 +82,19 @@ class StepLayout:
         return self.max_q_len == 1
 
 
+def layer_rotations(
+    arch: ModelArch, policy: KVPolicy, device: torch.device | str
+) -> list[torch.Tensor | None]:
+    """Per layer, the fp32 [D, D] rotation its K and V are cached in (policy.rotation), or None:
+    layers with a quantized stream are rotated, all their pools alike."""
+    return [
+        rotation_matrix(policy.rotation, arch.cached_vector_size, layer, device)
+        if formats.k.quantized or formats.v.quantized
+        else None
+        for layer, formats in enumerate(layer_formats(arch, policy))
+    ]
+
+
 def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
     """Bytes one block id costs across all layers, for each block kind."""
     formats = layer_formats(arch, policy)
@@ -111,16 +124,10 @@ class KVCache:
         self.layers: list[LayerPools] = []
         bs, heads, size = policy.block_size, arch.cached_heads, arch.cached_vector_size
         counts = {kind: pool.num_blocks for kind, pool in blocks.pools.items()}
-        formats_by_layer = layer_formats(arch, policy)
-        # Layers with a quantized stream cache K and V rotated (policy.rotation), all their
-        # pools alike; one fp32 [D, D] matrix a layer, or None.
-        self.rotations = [
-            rotation_matrix(policy.rotation, size, layer, device)
-            if formats.k.quantized or formats.v.quantized
-            else None
-            for layer, formats in enumerate(formats_by_layer)
-        ]
-        for formats, (k_scale, v_scale) in zip(formats_by_layer, tensor_scales, strict=True):
+        self.rotations = layer_rotations(arch, policy, device)
+        for formats, (k_scale, v_scale) in zip(
+            layer_formats(arch, policy), tensor_scales, strict=True
+        ):
             k_pools = {
                 MAIN: KVPool.allocate(formats.k, counts[MAIN], bs, heads, size, k_scale, device)
             }

@@ -20,6 +20,7 @@ from runtime.calibration import CALIBRATION_TEXT, calibrate_tensor_scales
 from runtime.engine import Engine, EngineConfig, pool_sizes
 from runtime.errors import ConfigError
 from runtime.kv_bytes import layer_formats
+from runtime.kv_cache import layer_rotations
 from runtime.model import DecoderModel, resolve_dtype
 from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
@@ -146,6 +147,7 @@ class LLM:
             self.model,
             self.tokenizer.encode(CALIBRATION_TEXT),
             layer_formats(self.arch, self.policy),
+            layer_rotations(self.arch, self.policy, self.device),
         )
         return Engine(
             self.model, self.arch, self.policy, self._ops, self._config, scales, self.device

@@ -4,11 +4,14 @@ inverse rotation (a dense, cache-free oracle built from the kernels' references)
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kernels.quantize import dequantize_ref, quantize_ref
 from kernels.rotation import rotation_matrix
 from runtime import LLM
+from runtime.block_manager import MAIN
+from runtime.calibration import CALIBRATION_TEXT, HEADROOM
 from runtime.kv_bytes import layer_formats
 from runtime.model import DenseCausalAttention
 from runtime.policy import KVPolicy
@@ -68,3 +71,29 @@ def test_triton_backend_agrees_with_torch_on_a_rotated_compressed_cache(tiny_lla
     assert relative_error(triton.prompt_logits(tokens), reference.prompt_logits(tokens)) < 1e-4
     expected = reference.generate([tokens[:20]], 6)[0].token_ids
     assert triton.generate([tokens[:20]], 6)[0].token_ids == expected
+
+
+def test_tensor_scales_are_calibrated_on_the_rotated_vectors_the_cache_stores(tiny_llama):
+    """fp8 per tensor: scale = HEADROOM * amax / 448 of each layer's rotated K and V on the
+    calibration text (rotation changes the amax, so the unrotated one would clip or waste)."""
+    policy = KVPolicy(
+        "fp8", "fp8", group_size="tensor", rotation="hadamard", block_size=8, chunk_size=16
+    )
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
+    ids = torch.tensor(llm.tokenizer.encode(CALIBRATION_TEXT))
+    dense = DenseCausalAttention([len(ids)])
+    rotated_amax = {}
+
+    def record(layer, q, k, v):
+        matrix = rotation_matrix("hadamard", 32, layer)
+        rotated_amax[layer] = [(x.float() @ matrix).abs().max().item() for x in (k, v)]
+        return dense(layer, q, k, v)
+
+    with torch.no_grad():
+        llm.model.forward(ids, torch.arange(len(ids)), record)
+    plain = LLM(str(tiny_llama), policy=policy.replace(rotation="none"), max_model_len=64)
+    for layer, pools in enumerate(llm.engine.cache.layers):
+        for pool, amax in zip((pools.k[MAIN], pools.v[MAIN]), rotated_amax[layer], strict=True):
+            assert pool.tensor_scale.item() == pytest.approx(HEADROOM * amax / 448, rel=1e-6)
+        plain_scale = plain.engine.cache.layers[layer].k[MAIN].tensor_scale
+        assert plain_scale.item() != pytest.approx(pools.k[MAIN].tensor_scale.item(), rel=1e-3)
