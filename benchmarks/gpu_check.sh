@@ -33,16 +33,17 @@ esac
 out=${OUT:-/tmp/gpu_check}
 mkdir -p "$out"
 carry=.gpu_carry
-site=$PWD/$carry/site
-mkdir -p "$site"
-export PYTHONPATH=$site:$PWD PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true
+site=$PWD/$carry/site # the device's installs; never on the path of a smoke run (cp312 builds)
+export PYTHONUNBUFFERED=1 MLFLOW_DISABLE_TELEMETRY=true
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 if [ "$mode" = --smoke ]; then
     python=${PYTHON:-$PWD/.venv/bin/python}
-    export TRITON_INTERPRET=1
+    export TRITON_INTERPRET=1 PYTHONPATH=$PWD
     budget=175
 else
     python=${PYTHON:-python3}
+    mkdir -p "$site"
+    export PYTHONPATH=$site:$PWD
     unset TRITON_INTERPRET
     budget=570 # of the call's 600 s: the rest writes the summary
 fi
@@ -169,7 +170,7 @@ if ! have optuna || ! have hydra || ! have mlflow || ! have lm_eval; then
 fi
 workdir=$(mktemp -d)
 policy=(policy.k_dtype=fp8 policy.v_dtype=fp4 policy.group_size=16 policy.scale_dtype=e4m3)
-study=(study.name=gpu-check study.n_trials=6 runtime.backend=triton runtime.device=cuda
+study=(study.name=gpu-check study.n_trials=6 runtime.backend=triton runtime.device=cuda device=h200-141gb
     mlflow.tracking_uri=sqlite:///$workdir/mlflow.db)
 if [ "$mode" = --smoke ]; then # compose the configs only: the runs take minutes on a CPU
     part "retention triton_tf32 (config)" 30 study.txt "${kvtune[@]}" evaluate "${policy[@]}" \
