@@ -1,5 +1,11 @@
 """`evaluate(policy, suite)`: a KV policy's accuracy and fidelity against the uncompressed
-baseline on the generated long-context suite."""
+baseline on the generated long-context suite.
+
+accuracy_retention averages, over the probability-scored tasks, the expected likelihood ratio
+exp(-KL(baseline || policy)) of each gold answer (scoring.py: the lowest-variance signal
+measured where the tuner decides); the gold answer's probability, greedy exact match and the
+greedy needle's exact match are reported beside it.
+"""
 
 from __future__ import annotations
 
@@ -14,12 +20,20 @@ from typing import Any
 import numpy as np
 
 from autotune.evaluation.baseline_cache import baseline_run
-from autotune.evaluation.fidelity import Key, task_fidelity
-from autotune.evaluation.scoring import EXACT_MATCH, PRIMARY, TaskScore, retention, retention_stderr
+from autotune.evaluation.fidelity import Key, scored_kl, task_fidelity
+from autotune.evaluation.scoring import (
+    EXACT_MATCH,
+    PRIMARY,
+    TaskScore,
+    likelihood_retention,
+    likelihood_retention_stderr,
+    retention,
+    retention_stderr,
+)
 from autotune.evaluation.suite import EvalSuite, load_suite
 from autotune.evaluation.suite_run import SuiteRun, run_suite
 from autotune.evaluation.task_files import TaskFolder, task_folder
-from autotune.evaluation.tasks import QA, TASKS
+from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
 from runtime.llm import as_policy
 from runtime.model_source import cache_dir, resolve_model
 from runtime.policy import KVPolicy
@@ -44,13 +58,16 @@ def evaluate(
     EvalSuite) against the uncompressed baseline.
 
     Returns a plain dict (JSON-ready): `tasks` (per task: metric, score, stderr,
-    baseline_score, retention and its paired-bootstrap stderr, greedy exact match for QA
-    tasks, chance, fidelity), `accuracy_retention` (mean over tasks of policy / baseline
-    score; baseline / policy for perplexity) and `accuracy_retention_stderr` (propagated),
-    `exact_match_retention` (mean over QA tasks of greedy exact-match retention), `kl`,
-    `kl_prompt_tail`, `top1_agreement`, `answer_agreement` (means over tasks), `seconds` (this
-    policy's cost: loading and scoring) and `baseline_seconds` (the baseline's, when it was
-    not cached).
+    baseline_score, retention and its bootstrap stderr, score_retention with its paired
+    stderr, greedy exact match, chance, fidelity), `accuracy_retention` (mean over the
+    probability-scored tasks of exp(-KL(baseline || policy)) per gold answer, per token for
+    perplexity: scoring.py says why) and `accuracy_retention_stderr` (propagated),
+    `score_retention` (mean of policy / baseline score, baseline / policy for perplexity),
+    `exact_match_retention` (mean over QA tasks of greedy exact-match retention),
+    `generation_exact_match_retention` (greedy generation tasks such as the 4K needle, beside
+    and not inside accuracy_retention), `kl`, `kl_prompt_tail`, `top1_agreement`,
+    `answer_agreement` (means over tasks), `seconds` (this policy's cost: loading and
+    scoring) and `baseline_seconds` (the baseline's, when it was not cached).
 
         evaluate({"k_dtype": "fp8", "v_dtype": "fp8"}, "quick")["accuracy_retention"]
     """
@@ -79,9 +96,35 @@ def evaluate(
 def _task_keys(folder: TaskFolder, task: str, recorded: Iterable[Key]) -> list[Key]:
     """Recorded request keys of one task: their first element is one of its prompts (QA) or
     documents (perplexity)."""
-    field = "context" if TASKS[task].kind == QA else "text"
+    field = "text" if TASKS[task].kind == PERPLEXITY else "context"
     prompts = {row[field] for row in folder.rows[task]}
     return [key for key in recorded if key[0] in prompts]
+
+
+def _sample_keys(folder: TaskFolder, task: str, recorded: Iterable[Key]) -> list[list[Key]]:
+    """Per sample of a probability-scored task, in document order: the request keys that
+    scored it (a question's one request; a document's rolling windows, in order)."""
+    if TASKS[task].kind == QA:
+        return [[(row["context"], row["answer"])] for row in folder.rows[task]]
+    windows: dict[str, list[Key]] = {row["text"]: [] for row in folder.rows[task]}
+    for key in recorded:
+        if key[0] in windows:
+            windows[key[0]].append(key)
+    return [sorted(keys, key=lambda k: int(k[1])) for keys in windows.values()]
+
+
+def _likelihood_retention(
+    folder: TaskFolder, task: str, baseline: SuiteRun, run: SuiteRun
+) -> dict[str, float | None]:
+    """The headline retention of a probability-scored task and its bootstrap stderr."""
+    kind = TASKS[task].kind
+    values = scored_kl(baseline.rows, run.rows, _sample_keys(folder, task, run.rows))
+    if values is None:
+        return {"retention": None, "retention_stderr": None}
+    return {
+        "retention": likelihood_retention(kind, values),
+        "retention_stderr": likelihood_retention_stderr(kind, values),
+    }
 
 
 def _mean(values: Iterable[float | None]) -> float | None:
@@ -118,6 +161,18 @@ def report(
         task = TASKS[name]
         keys = _task_keys(folder, name, run.rows)
         metric = PRIMARY[task.kind]
+        score_retention = {
+            "retention": retention(metric, score.score, base.score),
+            "retention_stderr": retention_stderr(
+                metric, np.asarray(score.values), np.asarray(base.values)
+            ),
+        }
+        if task.kind != GENERATION:  # the headline is the expected likelihood ratio
+            score_retention = {
+                "score_retention": score_retention["retention"],
+                "score_retention_stderr": score_retention["retention_stderr"],
+                **_likelihood_retention(folder, name, baseline, run),
+            }
         tasks[name] = {
             "metric": score.metric,
             "higher_is_better": score.higher_is_better,
@@ -125,15 +180,14 @@ def report(
             "stderr": score.stderr,
             "baseline_score": base.score,
             "baseline_stderr": base.stderr,
-            "retention": retention(metric, score.score, base.score),
-            "retention_stderr": retention_stderr(
-                metric, np.asarray(score.values), np.asarray(base.values)
-            ),
+            **score_retention,
             **_exact_match(score, base),
             "samples": score.samples,
             "chance": task.chance,
-            **task_fidelity(baseline.rows, run.rows, keys, answers=task.kind == QA),
+            **task_fidelity(baseline.rows, run.rows, keys, answers=task.kind != PERPLEXITY),
         }
+    scored = {name: t for name, t in tasks.items() if TASKS[name].kind != GENERATION}
+    generated = [t for name, t in tasks.items() if TASKS[name].kind == GENERATION]
     return {
         "suite": suite.name,
         "model": suite.model,
@@ -141,10 +195,15 @@ def report(
         "context_tokens": suite.context_tokens,
         "policy": policy.to_dict(),
         "tasks": tasks,
-        "accuracy_retention": _mean(t["retention"] for t in tasks.values()),
+        "accuracy_retention": _mean(t["retention"] for t in scored.values()),
         "accuracy_retention_stderr": _mean_stderr(
-            t["retention_stderr"] for t in tasks.values() if t["retention"] is not None
+            t["retention_stderr"] for t in scored.values() if t["retention"] is not None
         ),
-        "exact_match_retention": _mean(t.get("exact_match_retention") for t in tasks.values()),
+        "score_retention": _mean(t["score_retention"] for t in scored.values()),
+        "score_retention_stderr": _mean_stderr(
+            t["score_retention_stderr"] for t in scored.values() if t["score_retention"] is not None
+        ),
+        "exact_match_retention": _mean(t.get("exact_match_retention") for t in scored.values()),
+        "generation_exact_match_retention": _mean(t["retention"] for t in generated),
         **{key: _mean(t[key] for t in tasks.values()) for key in FIDELITY_KEYS},
     }

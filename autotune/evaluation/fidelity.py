@@ -6,6 +6,8 @@ reference is given, the policy's log-probabilities at the reference's top tokens
 is then computed over the reference's top k tokens plus one bucket for the rest of the
 vocabulary: a lower bound of the full KL(baseline || policy) (merging outcomes never increases
 it) that is tight when the baseline's mass sits in its top tokens, as it does at answers.
+Summed over each answer's tokens (scored_kl) it is also the suite's headline retention
+(scoring.py).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 TOP_K = 32
@@ -123,3 +126,25 @@ def task_fidelity(
             sum(totals.answers) / len(totals.answers) if answers and totals.answers else None
         ),
     }
+
+
+def scored_kl(
+    reference: Mapping[Key, ScoredRows],
+    policy: Mapping[Key, ScoredRows],
+    samples: Sequence[Sequence[Key]],
+) -> np.ndarray | None:
+    """[samples, 2]: per sample (the request keys of one question, or of one document's rolling
+    windows), the KL summed over its scored positions and the number of those positions.
+    None when a request was not measured against the reference."""
+    values = []
+    for keys in samples:
+        total, positions = 0.0, 0
+        for key in keys:
+            ref, rows = reference.get(key), policy.get(key)
+            if ref is None or rows is None or rows.at_reference is None:
+                return None
+            kl = coarse_kl(ref, rows.at_reference)[ref.num_tail :]
+            total += float(kl.double().sum())
+            positions += kl.numel()
+        values.append((total, positions))
+    return np.asarray(values, dtype=float).reshape(-1, 2)

@@ -1,14 +1,26 @@
 """Per-task scores, their bootstrap standard errors, and retention against the baseline.
 
-A question-answering task's headline score is the mean probability the model gives the gold
-answer (exp of lm-eval's per-sample log-likelihood): the exact-match rate a model sampling at
-temperature 1 would expect. It moves with every degradation of recall, where greedy exact
-match (lm-eval's `acc`, also reported) flips in steps of one question and needs many more
-questions for the same resolution. wiki_ppl scores word perplexity (lower is better).
+Retention (accuracy_retention's parts) is the policy's expected likelihood of the baseline's
+answers relative to the baseline's own: exp(-KL(baseline || policy)), the KL of the next-token
+distributions summed over each gold answer's tokens (teacher-forced) and averaged over
+questions, or per token over a perplexity document. If the gold answer were drawn from the
+baseline's distribution, this is what the teacher-forced log-likelihood ratio of the gold
+answer averages to; using the expectation instead of the one drawn answer removes the noise of
+which token happens to be gold, the term that dominates near the top of the front. Measured on
+the quick suite (benchmarks/eval_signals.py, RESULTS.md): for fp8 the paired stderr of the
+gold answer's log-likelihood ratio is 0.053 and of its probability 0.044, of this one 0.012,
+with the ranking of policies kept. It cannot exceed 1: a policy that moves probability onto
+the gold answer by chance is not better, only different.
 
-Standard errors come from one seeded bootstrap over samples for every metric. Retention's is a
-paired bootstrap: the policy and the baseline answer the same questions, so each resample draws
-the same samples for both, and only the questions a policy changes move it.
+The task scores are kept beside it: a question-answering task scores the mean probability the
+model gives the gold answer (exp of lm-eval's per-sample log-likelihood), with greedy exact
+match (lm-eval's `acc`); wiki_ppl word perplexity (lower is better); a generation task greedy
+exact match of the generated text. score / baseline (baseline / score for perplexity) is
+reported as score retention, the headline before 2026-12-02.
+
+Standard errors come from one seeded bootstrap over samples for every metric. Score
+retention's is a paired bootstrap: the policy and the baseline answer the same questions, so
+each resample draws the same samples for both. KL is a paired quantity already.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from autotune.evaluation.tasks import PERPLEXITY, QA
+from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA
 
 BOOTSTRAP_ITERS = 1000
 
@@ -46,6 +58,10 @@ def _greedy_match(sample: dict[str, Any]) -> list[float]:
     return [float(sample["acc"])]
 
 
+def _generated_match(sample: dict[str, Any]) -> list[float]:
+    return [float(sample["exact_match"])]
+
+
 def _loglikelihood_and_words(sample: dict[str, Any]) -> list[float]:
     return [float(value) for value in sample["word_perplexity"]]
 
@@ -69,6 +85,7 @@ class Metric:
 PRIMARY: dict[str, Metric] = {
     QA: Metric("answer_probability", True, _answer_probability, _mean),
     PERPLEXITY: Metric("word_perplexity", False, _loglikelihood_and_words, _weighted_perplexity),
+    GENERATION: Metric("exact_match", True, _generated_match, _mean),
 }
 EXACT_MATCH = Metric("exact_match", True, _greedy_match, _mean)
 
@@ -130,6 +147,41 @@ def retention_stderr(
     return float(_ratio(metric, policy[usable], baseline[usable]).std(ddof=1))
 
 
+def _expected_answer_likelihood(values: np.ndarray) -> np.ndarray:
+    """exp(-mean over questions of the KL summed over each answer's tokens)."""
+    return np.exp(-values[..., 0].mean(axis=-1))
+
+
+def _expected_token_likelihood(values: np.ndarray) -> np.ndarray:
+    """exp(-KL per token) over all scored tokens of all documents."""
+    return np.exp(-values[..., 0].sum(axis=-1) / values[..., 1].sum(axis=-1))
+
+
+# Fidelity retention per task kind, from [samples, (KL summed over the scored positions,
+# positions)] (fidelity.scored_kl).
+EXPECTED_LIKELIHOOD: dict[str, Statistic] = {
+    QA: _expected_answer_likelihood,
+    PERPLEXITY: _expected_token_likelihood,
+}
+
+
+def likelihood_retention(kind: str, kl_values: np.ndarray) -> float:
+    """The policy's expected likelihood of what the baseline would answer, relative to the
+    baseline's own: exp(-KL(baseline || policy)) per answer (QA) or per token (perplexity)."""
+    return float(EXPECTED_LIKELIHOOD[kind](kl_values))
+
+
+def likelihood_retention_stderr(
+    kind: str, kl_values: np.ndarray, iters: int = BOOTSTRAP_ITERS, seed: int = 0
+) -> float | None:
+    """Bootstrap standard error over samples. KL is already a paired quantity (the policy
+    against the baseline on the same prompt), so a plain resample is the paired bootstrap."""
+    if len(kl_values) < 2:
+        return None
+    draws = EXPECTED_LIKELIHOOD[kind](kl_values[_resamples(len(kl_values), iters, seed)])
+    return float(draws.std(ddof=1))
+
+
 @dataclass(frozen=True)
 class TaskScore:
     """One task's headline metric for one policy over `samples` samples.
@@ -152,7 +204,11 @@ def task_score(kind: str, samples: Sequence[dict[str, Any]]) -> TaskScore:
     """The task's headline score from lm-eval's logged samples, with a bootstrap stderr."""
     metric = PRIMARY[kind]
     values = metric.values(samples)
-    matches = EXACT_MATCH.values(samples) if kind == QA else None
+    matches = None
+    if kind == QA:
+        matches = EXACT_MATCH.values(samples)
+    elif kind == GENERATION:  # the headline is exact match already
+        matches = values
     return TaskScore(
         metric.name,
         metric.higher_is_better,

@@ -19,7 +19,14 @@ import yaml
 from runtime.errors import ConfigError
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval"
-TASK_NAMES: tuple[str, ...] = ("wiki_ppl", "passkey", "multikey", "codes", "doc_mcq")
+TASK_NAMES: tuple[str, ...] = (
+    "wiki_ppl",
+    "passkey",
+    "multikey",
+    "codes",
+    "doc_mcq",
+    "needle_greedy",
+)
 # SmolLM2's context; longer suites need a model with a longer one.
 MAX_CONTEXT_TOKENS = 8192
 
@@ -43,10 +50,13 @@ class TaskSize:
     docs: haystacks (each costs one prefill pass of about context_tokens).
     questions: questions asked about each haystack, one chat turn each; later turns extend the
         same prompt, so they share its prefill pass.
+    context_tokens: this task's haystack length (tokens) when it differs from the suite's
+        (the greedy needle runs at >= 4K where the other tasks run at 2K); None = the suite's.
     """
 
     docs: int
     questions: int = 1
+    context_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,6 @@ class EvalSuite:
         _check_int("seed", self.seed, 0)
         _check_int("context_tokens", self.context_tokens, 256, MAX_CONTEXT_TOKENS)
         _check_int("kl_tail_tokens", self.kl_tail_tokens, 0)
-        _check_int("batch_tokens", self.batch_tokens, self.context_tokens)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if not self.tasks:
             raise ConfigError(_field("tasks"), {}, f"at least one of {', '.join(TASK_NAMES)}")
@@ -90,6 +99,8 @@ class EvalSuite:
                 raise ConfigError(_field(f"tasks.{name}"), size, f"a task: {', '.join(TASK_NAMES)}")
             sizes[name] = _task_size(name, size)
         object.__setattr__(self, "tasks", sizes)
+        longest = max([self.context_tokens] + [s.context_tokens or 0 for s in sizes.values()])
+        _check_int("batch_tokens", self.batch_tokens, longest)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> EvalSuite:
@@ -104,13 +115,20 @@ class EvalSuite:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (YAML form)."""
         data = dataclasses.asdict(self)
-        data["tasks"] = {name: dataclasses.asdict(size) for name, size in self.tasks.items()}
+        data["tasks"] = {
+            name: {k: v for k, v in dataclasses.asdict(size).items() if v is not None}
+            for name, size in self.tasks.items()
+        }
         return data
 
     def data_fingerprint(self) -> str:
         """Hash of what decides the generated task files (model, seed, lengths, sizes)."""
         fields = ("model", "seed", "context_tokens", "tasks")
         return _digest({k: v for k, v in self.to_dict().items() if k in fields})
+
+    def task_context(self, name: str) -> int:
+        """Haystack length (tokens) of one task: its own, else the suite's."""
+        return self.tasks[name].context_tokens or self.context_tokens
 
     def run_fingerprint(self) -> str:
         """Hash of everything that decides a policy's scores except the policy (name aside)."""
@@ -124,12 +142,17 @@ def _task_size(name: str, size: object) -> TaskSize:
         values = dict(size)
     else:
         raise ConfigError(_field(f"tasks.{name}"), size, "a mapping {docs: N, questions: M}")
-    unknown = set(values) - {"docs", "questions"}
+    unknown = set(values) - {"docs", "questions", "context_tokens"}
     if unknown:
-        raise ConfigError(_field(f"tasks.{name}"), size, "only the fields docs and questions")
+        raise ConfigError(
+            _field(f"tasks.{name}"), size, "only the fields docs, questions and context_tokens"
+        )
     docs = _check_int(f"tasks.{name}.docs", values.get("docs"), 1)
     questions = _check_int(f"tasks.{name}.questions", values.get("questions", 1), 1)
-    return TaskSize(docs, questions)
+    context = values.get("context_tokens")
+    if context is not None:
+        _check_int(f"tasks.{name}.context_tokens", context, 256, MAX_CONTEXT_TOKENS)
+    return TaskSize(docs, questions, context)
 
 
 def _digest(data: Mapping[str, Any]) -> str:

@@ -21,7 +21,8 @@ from typing import Any
 import yaml
 
 from autotune.evaluation.suite import EvalSuite
-from autotune.evaluation.tasks import PERPLEXITY, QA, TASKS, GenContext
+from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS, GenContext
+from autotune.evaluation.tasks.needle_greedy import MAX_GEN_TOKENS, STOP
 from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,15 @@ FORMAT_VERSION = 1  # bump when the generators change what they write
 QA_METRICS = [
     {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
     {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+]
+GENERATION_METRICS = [
+    {
+        "metric": "exact_match",
+        "aggregation": "mean",
+        "higher_is_better": True,
+        "ignore_punctuation": True,
+        "regexes_to_ignore": [r"^\s+", r"\s+$"],
+    }
 ]
 PERPLEXITY_METRICS = [
     {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
@@ -74,6 +84,20 @@ def task_yaml(name: str, kind: str, data_file: Path) -> dict[str, Any]:
             "target_delimiter": "",
             "metric_list": QA_METRICS,
         }
+    elif kind == GENERATION:
+        config |= {
+            "output_type": "generate_until",
+            "doc_to_text": "context",
+            "doc_to_target": "answer",
+            "target_delimiter": "",
+            "generation_kwargs": {
+                "until": STOP,
+                "max_gen_toks": MAX_GEN_TOKENS,
+                "do_sample": False,
+                "temperature": 0.0,
+            },
+            "metric_list": GENERATION_METRICS,
+        }
     elif kind == PERPLEXITY:
         config |= {
             "output_type": "loglikelihood_rolling",
@@ -86,9 +110,12 @@ def task_yaml(name: str, kind: str, data_file: Path) -> dict[str, Any]:
     return config | {"metadata": {"version": FORMAT_VERSION}}
 
 
-def request_tokens(row: dict[str, Any], tokenizer: Tokenizer) -> int:
-    if "text" in row:
+def request_tokens(kind: str, row: dict[str, Any], tokenizer: Tokenizer) -> int:
+    """Tokens the runtime must hold for one request (its max_model_len share)."""
+    if kind == PERPLEXITY:
         return len(tokenizer.encode(row["text"])) + 1  # the rolling window's prefix token
+    if kind == GENERATION:
+        return len(tokenizer.encode(row["context"])) + MAX_GEN_TOKENS
     return len(tokenizer.encode(row["context"] + row["answer"]))
 
 
@@ -96,7 +123,8 @@ def generate_rows(suite: EvalSuite, tokenizer: Tokenizer) -> dict[str, list[dict
     """Every task's rows; each task draws from its own rng, so sizes of one leave the rest."""
     rows = {}
     for name, size in suite.tasks.items():
-        context = GenContext(random.Random(f"{suite.seed}:{name}"), tokenizer, suite.context_tokens)
+        rng = random.Random(f"{suite.seed}:{name}")
+        context = GenContext(rng, tokenizer, suite.task_context(name))
         rows[name] = TASKS[name].rows(context, size)
     return rows
 
@@ -113,7 +141,11 @@ def write_folder(path: Path, suite: EvalSuite, tokenizer: Tokenizer) -> None:
             (staging / data_file.name).write_text(lines)
             config = task_yaml(name, TASKS[name].kind, data_file)
             (staging / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        longest = max(request_tokens(row, tokenizer) for r in rows.values() for row in r)
+        longest = max(
+            request_tokens(TASKS[name].kind, row, tokenizer)
+            for name, task_rows in rows.items()
+            for row in task_rows
+        )
         manifest = {"suite": suite.to_dict(), "tasks": list(rows), "max_tokens": longest}
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
         os.replace(staging, path)

@@ -1,11 +1,17 @@
-"""Fidelity metrics: the top-k KL against the exact one, agreement, and the per-task summary."""
+"""Fidelity metrics: the top-k KL against the exact one, agreement, the per-task summary, and
+the expected-likelihood retention built on it."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from autotune.evaluation.fidelity import FidelityRecorder, coarse_kl, task_fidelity
+from autotune.evaluation.fidelity import FidelityRecorder, coarse_kl, scored_kl, task_fidelity
+from autotune.evaluation.scoring import likelihood_retention, likelihood_retention_stderr
+from autotune.evaluation.tasks import PERPLEXITY, QA
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -73,3 +79,49 @@ def test_requests_missing_from_the_reference_are_skipped(pair):
     ref = record({("x",): reference})
     pol = record({("y",): reference}, reference=ref)
     assert task_fidelity(ref, pol, [("y",)], answers=True)["kl"] is None
+
+
+def test_scored_kl_sums_each_samples_answer_positions_over_its_requests(pair):
+    reference, policy = pair
+    # Sample 1: one request (2 tail rows, 4 answer rows); sample 2: two rolling windows.
+    ref = record({("q", "a"): reference}, top_k=50, num_tail=2)
+    ref |= record({("doc", "0"): reference[:3], ("doc", "1"): reference[3:]}, top_k=50)
+    pol = record({("q", "a"): policy}, reference=ref, top_k=50, num_tail=2)
+    pol |= record({("doc", "0"): policy[:3], ("doc", "1"): policy[3:]}, reference=ref, top_k=50)
+    values = scored_kl(ref, pol, [[("q", "a")], [("doc", "0"), ("doc", "1")]])
+    exact = exact_kl(reference, policy)  # whole vocabulary: the oracle
+    np.testing.assert_allclose(
+        values, [[float(exact[2:].sum()), 4], [float(exact.sum()), 6]], rtol=1e-4
+    )
+    assert scored_kl(ref, pol, [[("missing",)]]) is None
+
+
+def test_expected_likelihood_retention_is_the_mean_log_likelihood_ratio_of_sampled_answers():
+    """exp(-KL(p || q)) is what the teacher-forced likelihood ratio q(y) / p(y) of an answer y
+    averages to (in log space) when y is drawn from the baseline p: sample gold tokens from p
+    and compare."""
+    generator = torch.Generator().manual_seed(1)
+    p = log_probs(torch.randn(3, 40, generator=generator) * 2)  # 3 answer tokens
+    q = log_probs(p + torch.randn(3, 40, generator=generator) * 0.3)
+    ref = record({("q", "a"): p}, top_k=40)
+    pol = record({("q", "a"): q}, reference=ref, top_k=40)
+    kl_values = scored_kl(ref, pol, [[("q", "a")]])
+    draws = torch.multinomial(p.exp(), 200_000, replacement=True, generator=generator)
+    sampled = (q.gather(1, draws) - p.gather(1, draws)).sum(0)  # log q(y) - log p(y) per answer
+    expected = math.exp(float(sampled.mean()))
+    assert likelihood_retention(QA, kl_values) == pytest.approx(expected, abs=2e-3)
+
+
+def test_expected_likelihood_retention_per_answer_and_per_token():
+    answers = np.array([[0.1, 3], [0.3, 7]])  # (KL summed over the answer, its tokens)
+    assert likelihood_retention(QA, answers) == pytest.approx(math.exp(-0.2))
+    assert likelihood_retention(PERPLEXITY, answers) == pytest.approx(math.exp(-0.4 / 10))
+    identical = np.zeros((5, 2)) + [0.0, 4]
+    assert likelihood_retention(QA, identical) == 1.0
+    assert likelihood_retention_stderr(QA, identical) == 0.0
+    assert likelihood_retention_stderr(QA, answers[:1]) is None
+    rng = np.random.default_rng(0)
+    spread = np.stack([rng.exponential(0.05, 400), np.full(400, 5.0)], axis=1)
+    # Small KL: retention ~ 1 - mean, so the stderr is about the KL's own standard error.
+    analytic = spread[:, 0].std() / math.sqrt(len(spread)) * likelihood_retention(QA, spread)
+    assert likelihood_retention_stderr(QA, spread) == pytest.approx(analytic, rel=0.15)

@@ -18,7 +18,7 @@ from autotune.evaluation.scoring import (
     task_score,
 )
 from autotune.evaluation.suite import TASK_NAMES, EvalSuite, TaskSize, load_suite
-from autotune.evaluation.tasks import PERPLEXITY, QA
+from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
 from runtime.errors import ConfigError
 
 
@@ -26,8 +26,20 @@ from runtime.errors import ConfigError
 def test_presets_load_and_cover_every_task(preset):
     suite = load_suite(preset)
     assert suite.name == preset
-    assert set(suite.tasks) == set(TASK_NAMES)
+    scored = {name for name in TASK_NAMES if TASKS[name].kind != GENERATION}
+    # Every probability-scored task everywhere; the greedy needle (a prefill per question)
+    # only in the thorough preset.
+    assert set(suite.tasks) == (set(TASK_NAMES) if preset == "full" else scored)
     assert EvalSuite.from_dict(suite.to_dict()) == suite
+
+
+def test_the_quick_suite_recalls_among_several_needles_at_two_thousand_tokens():
+    quick = load_suite("quick")
+    assert quick.task_context("multikey") >= 2048 and quick.task_context("codes") >= 2048
+
+
+def test_the_full_suite_asks_the_greedy_needle_at_four_thousand_tokens():
+    assert load_suite("full").task_context("needle_greedy") >= 4096
 
 
 @pytest.mark.parametrize("larger", ["heldout", "full"])
@@ -35,7 +47,7 @@ def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
     quick, other = load_suite("quick"), load_suite(larger)
     assert other.context_tokens > quick.context_tokens
     assert other.seed != quick.seed  # held-out documents, not the quick ones again
-    for name in TASK_NAMES:
+    for name in quick.tasks:
         assert other.tasks[name].docs >= quick.tasks[name].docs
         assert other.tasks[name].questions >= quick.tasks[name].questions
 
@@ -51,6 +63,15 @@ def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
         ({"tasks": {"passkey": {"docs": 0}}}, "eval.tasks.passkey.docs"),
         ({"tasks": {"passkey": {"docs": 1, "depth": 2}}}, "eval.tasks.passkey"),
         ({"batch_tokens": 10}, "eval.batch_tokens"),
+        (
+            {"tasks": {"passkey": {"docs": 1, "context_tokens": 100}}},
+            "eval.tasks.passkey.context_tokens",
+        ),
+        # batch_tokens must hold the longest haystack, a task's own length included.
+        (
+            {"batch_tokens": 4096, "tasks": {"needle_greedy": {"docs": 1, "context_tokens": 6000}}},
+            "eval.batch_tokens",
+        ),
         ({"colour": "red"}, "eval.colour"),
     ],
 )
@@ -80,6 +101,17 @@ def test_fingerprints_follow_what_decides_the_results():
 def test_task_sizes_accept_mappings():
     suite = EvalSuite(tasks={"passkey": {"docs": 3}})
     assert suite.tasks == {"passkey": TaskSize(docs=3, questions=1)}
+
+
+def test_a_task_may_run_at_its_own_context_length():
+    suite = EvalSuite(
+        context_tokens=1024,
+        tasks={"passkey": {"docs": 1}, "needle_greedy": {"docs": 2, "context_tokens": 4096}},
+    )
+    assert suite.task_context("passkey") == 1024
+    assert suite.task_context("needle_greedy") == 4096
+    assert EvalSuite.from_dict(suite.to_dict()) == suite
+    assert "context_tokens" not in suite.to_dict()["tasks"]["passkey"]
 
 
 def test_bootstrap_stderr_of_a_mean_is_near_the_analytic_one():
@@ -139,6 +171,11 @@ def test_task_scores_read_lm_eval_samples_in_document_order():
     assert result.values == [[pytest.approx(0.75)], [pytest.approx(0.25)]]
     assert result.exact_match == 0.5 and result.exact_match_values == [[1.0], [0.0]]
     assert EXACT_MATCH.values(samples).tolist() == [[1.0], [0.0]]
+    generated = task_score(
+        GENERATION, [{"doc_id": 0, "exact_match": 1.0}, {"doc_id": 1, "exact_match": 0.0}]
+    )
+    assert generated.metric == "exact_match" and generated.score == 0.5
+    assert generated.exact_match == 0.5 and generated.values == [[1.0], [0.0]]
     ppl = task_score(PERPLEXITY, [{"doc_id": 0, "word_perplexity": (-20.0, 10)}])
     assert ppl.score == pytest.approx(math.exp(2.0)) and ppl.exact_match is None
     assert ppl.stderr is None  # one document: no bootstrap

@@ -12,9 +12,19 @@ from lm_eval.tasks import TaskManager
 
 import autotune.evaluation  # noqa: F401  (HF offline variables)
 from autotune.evaluation import haystack
+from autotune.evaluation.scoring import task_score
 from autotune.evaluation.suite import EvalSuite, TaskSize
 from autotune.evaluation.task_files import generate_rows, task_folder
-from autotune.evaluation.tasks import QA, TASKS, GenContext, codes, doc_mcq, multikey, passkey
+from autotune.evaluation.tasks import (
+    GENERATION,
+    QA,
+    TASKS,
+    GenContext,
+    codes,
+    doc_mcq,
+    multikey,
+    passkey,
+)
 from runtime.errors import ConfigError
 from runtime.model_source import resolve_model
 from runtime.tokenizer import Tokenizer
@@ -163,3 +173,41 @@ def test_lm_eval_asks_exactly_the_generated_requests(tmp_path, tokenizer):
     assert results["results"][folder.lm_eval_name("passkey")]["acc,none"] == 1.0
     longest = max(len(tokenizer.encode(c + a)) for c, a in qa)
     assert folder.max_tokens >= longest
+
+
+class AnsweringLM(RecordingLM):
+    """Writes the gold key (after a space, as a tokenizer may) for the first generation
+    request and the key plus one for the rest."""
+
+    def generate_until(self, requests):
+        self.requests["generate_until"] = [r.args for r in requests]
+        keys = [request.doc["answer"] for request in requests]
+        return [f" {keys[0]}"] + [str(int(key) + 1) for key in keys[1:]]
+
+
+def test_the_greedy_needle_is_generated_at_its_own_length_and_scored_by_exact_match(
+    tmp_path, tokenizer
+):
+    suite = EvalSuite(
+        context_tokens=768,
+        tasks={"passkey": {"docs": 1}, "needle_greedy": {"docs": 2, "context_tokens": 1536}},
+    )
+    folder = task_folder(suite, tokenizer, tmp_path)
+    needles = folder.rows["needle_greedy"]
+    for row in needles:
+        assert TASKS["needle_greedy"].kind == GENERATION
+        assert row["context"].count(row["answer"]) == 1
+        assert 0.9 * 1536 <= len(tokenizer.encode(row["context"])) <= 1.05 * 1536
+    assert folder.max_tokens >= max(len(tokenizer.encode(r["context"])) for r in needles) + 5
+    lm = AnsweringLM()
+    manager = TaskManager(include_path=str(folder.path), include_defaults=False)
+    name = folder.lm_eval_name("needle_greedy")
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=[name], task_manager=manager, bootstrap_iters=0, log_samples=True
+    )
+    asked = lm.requests["generate_until"]
+    assert {context for context, _ in asked} == {row["context"] for row in needles}
+    assert all(kwargs["do_sample"] is False and "." in kwargs["until"] for _, kwargs in asked)
+    # One key right, one off by one: half the keys, exactly.
+    assert results["results"][name]["exact_match,none"] == 0.5
+    assert task_score(GENERATION, results["samples"][name]).score == 0.5

@@ -23,6 +23,7 @@ from runtime.tokenizer import Tokenizer
 
 QA = "qa"  # lm-eval `loglikelihood` of a short gold answer (its probability, greedy match)
 PERPLEXITY = "perplexity"  # lm-eval `loglikelihood_rolling`
+GENERATION = "generation"  # lm-eval `generate_until`, greedy, scored by exact match
 MAX_DRAWS = 100
 
 
@@ -80,7 +81,7 @@ class GenContext:
 class TaskDef:
     """A task generator and how it is scored.
 
-    kind: QA or PERPLEXITY. chance: the score of guessing (QA: exact-match of a random
+    kind: QA, PERPLEXITY or GENERATION. chance: the score of guessing (QA: exact-match of a random
     answer; None for perplexity). max_questions: questions a document can carry.
     build: (context, size) -> JSONL rows of the lm-eval task.
     """
