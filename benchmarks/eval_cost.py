@@ -1,7 +1,8 @@
 """What the accuracy suite costs a tuning trial, and what the uncompressed baseline scores.
 
 Runs the suite (default `quick`) for a few policies with the baseline cached, as a trial does,
-and reports wall seconds per policy (target <= 60 s on 2 CPU cores), then the baseline's score
+and reports wall seconds per policy (target <= 60 s on 2 CPU cores) with the headline
+retention, the score retention beside it and their standard errors, then the baseline's score
 per task with its bootstrap standard error, its greedy exact match and the chance level.
 Timings depend on how busy the machine is: the torch thread count and load average are
 printed with them.
@@ -40,7 +41,17 @@ def main() -> None:
 
     first = next(iter(results.values()))
     costs = Table(title=f"{suite.name} suite: cost per policy (baseline cached)")
-    columns = ("policy", "seconds", "retention", "± stderr", "exact-match ret.", "KL", "top-1")
+    columns = (
+        "policy",
+        "seconds",
+        "retention",
+        "± stderr",
+        "score ret.",
+        "± stderr",
+        "exact-match ret.",
+        "KL",
+        "top-1",
+    )
     for column in columns:
         costs.add_column(column, justify="left" if column == "policy" else "right")
     for name, result in results.items():
@@ -49,6 +60,8 @@ def main() -> None:
             f"{result['seconds']:.1f}",
             fmt(result["accuracy_retention"]),
             fmt(result["accuracy_retention_stderr"]),
+            fmt(result["score_retention"]),
+            fmt(result["score_retention_stderr"]),
             fmt(result["exact_match_retention"]),
             fmt(result["kl"], 4),
             fmt(result["top1_agreement"]),
