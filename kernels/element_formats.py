@@ -8,7 +8,9 @@ adding a format is one entry here plus its code functions in their own module.
 
 CODE values of the device helpers: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1,
 CODE_E2M1_TIES_AWAY (E2M1 rounded as SGLang's fp4_mx_block16 does: halfway values away from
-zero), and CODE_UINT + bits for the unsigned integer codes of the asymmetric formats.
+zero), CODE_INT8_SYMMETRIC (signed int8 codes with a symmetric scale, vLLM's
+int8_per_token_head), and CODE_UINT + bits for the unsigned integer codes of the asymmetric
+formats.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from kernels.fp_codes import (
     pack_e2m1_ref,
 )
 from kernels.int_codes import encode_uint_ref, pack_codes_ref, unpack_codes_ref
+from kernels.symmetric_int_codes import decode_int8_symmetric_ref, encode_int8_symmetric_ref
 
 CODE_FLOAT = 0
 CODE_E4M3 = 1
 CODE_E2M1 = 2
 CODE_E2M1_TIES_AWAY = 3
+CODE_INT8_SYMMETRIC = 4
 CODE_UINT = 16
 
 
@@ -91,6 +95,14 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
         False,
         lambda x: pack_e2m1_ref(encode_e2m1_ties_away_ref(x)),
         decode_packed_e2m1_fast,
+    ),
+    "int8_symmetric": ElementFormat(
+        8,
+        CODE_INT8_SYMMETRIC,
+        127.0,
+        False,
+        encode_int8_symmetric_ref,
+        decode_int8_symmetric_ref,
     ),
     "int8": _uint_format(8),
     "int4": _uint_format(4),

@@ -1,8 +1,8 @@
 """Per-group quantization of K/V vectors to a `KVFormat`: Triton device helpers, launchers and
 torch references.
 
-One rule for every symmetric format (fp8, fp4, fp4_ties_away), in "tensor-scaled units"
-x_t = x / tensor_scale:
+One rule for every symmetric format (fp8, fp4, fp4_ties_away, int8_symmetric), in
+"tensor-scaled units" x_t = x / tensor_scale:
 
     group scale s_g = decode(encode(max(amax_g(|x_t|) / max_code, floor)))   (scale dtype)
     code            = encode(x_t / s_g), or encode(x_t * fp32(1 / s_g))     (0 when s_g == 0)
@@ -76,12 +76,14 @@ from kernels.fp_codes import (
 from kernels.int_codes import encode_uint
 from kernels.kv_format import KVFormat
 from kernels.scale_formats import decode_scale, encode_scale, scale_floor, scale_reciprocal
+from kernels.symmetric_int_codes import decode_int8_symmetric, encode_int8_symmetric
 
 # Element code kinds, the CODE constexpr of the device helpers (CODE_UINT + bits for integers).
 CODE_FLOAT = tl.constexpr(element_formats.CODE_FLOAT)
 CODE_E4M3 = tl.constexpr(element_formats.CODE_E4M3)
 CODE_E2M1 = tl.constexpr(element_formats.CODE_E2M1)
 CODE_E2M1_TIES_AWAY = tl.constexpr(element_formats.CODE_E2M1_TIES_AWAY)
+CODE_INT8_SYMMETRIC = tl.constexpr(element_formats.CODE_INT8_SYMMETRIC)
 CODE_UINT = tl.constexpr(element_formats.CODE_UINT)
 
 # fp32 elements one program handles in the quantize / dequantize launchers.
@@ -91,11 +93,11 @@ TILE_ELEMENTS = 4096
 def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
-    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY or
-    CODE_UINT + bits (asymmetric integer codes with zero points); GROUP_SIZE: elements a group
-    scale covers, 0 for none; SCALE_E4M3: the SCALE code of the group scales' dtype (0 fp16,
-    1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP: consecutive rows sharing a row of
-    scales.
+    CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY,
+    CODE_INT8_SYMMETRIC or CODE_UINT + bits (asymmetric integer codes with zero points);
+    GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_E4M3: the SCALE code of the
+    group scales' dtype (0 fp16, 1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP:
+    consecutive rows sharing a row of scales.
     """
     return {
         f"{prefix}CODE": fmt.element.code if fmt.quantized else CODE_FLOAT.value,
@@ -181,6 +183,8 @@ def load_dequant_tile(
             values = decode_e4m3(codes)
         elif CODE == CODE_E2M1 or CODE == CODE_E2M1_TIES_AWAY:  # noqa: SIM109 (constexprs)
             values = decode_e2m1(codes)
+        elif CODE == CODE_INT8_SYMMETRIC:
+            values = decode_int8_symmetric(codes)
         else:
             values = codes.to(tl.float32)
         if GROUP_SIZE > 0:
@@ -258,6 +262,8 @@ def _store_codes(
         codes = encode_e2m1(scaled).to(tl.int32)
     elif CODE == CODE_E2M1_TIES_AWAY:
         codes = encode_e2m1_ties_away(scaled).to(tl.int32)
+    elif CODE == CODE_INT8_SYMMETRIC:
+        codes = encode_int8_symmetric(scaled)
     else:
         codes = encode_uint(scaled, BITS)
     if PER_BYTE > 1:

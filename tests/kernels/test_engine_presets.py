@@ -79,6 +79,7 @@ PRESETS = {
         "sglang", "nvfp4", lambda x: ref.encode_nvfp4(x, 1.0), lambda c, s: ref.decode_nvfp4(c, s)
     ),
     "vllm/fp8_per_token_head": per_token_head("fp8"),
+    "vllm/int8_per_token_head": per_token_head("int8"),
     "sglang/fp4_mx_block16": Engine(
         "sglang", "fp4_mx_block16", ref.encode_fp4_mx_block16, ref.decode_fp4_mx_block16
     ),
@@ -117,7 +118,7 @@ def random_vectors(seed: int) -> torch.Tensor:
 def outlier_vectors(seed: int) -> torch.Tensor:
     """Fixed outlier channels (as RoPE'd keys have), values beyond E4M3's 448 and E2M1's reach,
     tiny values near the scale formats' subnormals, a zero vector, and exact halfway points of
-    the E2M1 grid (a block of amax 6 has scale 1 in every fp4 format)."""
+    the E2M1 grid (a block of amax 6 has scale 1 in every fp4 format) and of int8."""
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((TOKENS, HEADS, DIM))
     x[:, :, [3, 17, 40]] *= [40.0, -300.0, 900.0]
@@ -126,6 +127,9 @@ def outlier_vectors(seed: int) -> torch.Tensor:
     x[7, :, :16] = [6.0, 2.5, -5.0, 0.25, 0.75, -1.25, 1.75, 3.5, 5.0, -0.0, 0.5, 1, 1.5, 2, 3, 4]
     x[8, 0, ::7] = [1e4, -2e3, 600.0, -449.0, 464.0, 1e-3, -3e-7, 7e-8, 5e2, 0.01]
     x[9, 1, ::2] = 1.5 * 2.0 ** rng.integers(-40, 40, DIM // 2)  # every binade, odd ones out
+    # amax 127: int8's scale is 1, so these are its halfway points (away from zero, not even).
+    x[10, 0] = 0.0
+    x[10, 0, :8] = [127.0, 2.5, -3.5, 0.5, -0.5, 126.5, -126.5, 1.5]
     return as_bf16(x)
 
 
@@ -259,16 +263,23 @@ def reciprocal_sensitive_vectors(q_max: float, rounding: Callable[[np.ndarray], 
     return torch.from_numpy(vectors)
 
 
-def test_per_token_head_multiplies_by_the_reciprocal_of_the_scale():
+def e4m3_codes(y: np.ndarray) -> np.ndarray:
+    return y.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+@pytest.mark.parametrize(
+    ("kind", "q_max", "rounding"),
+    [("fp8", 448.0, e4m3_codes), ("int8", 127.0, ref.round_half_away)],
+)
+def test_per_token_head_multiplies_by_the_reciprocal_of_the_scale(kind, q_max, rounding):
     """vLLM multiplies by the fp32 reciprocal of the scale: where that rounds differently from
     a division, the preset follows vLLM."""
-    fmt_k, _ = preset_formats("vllm/fp8_per_token_head")
-    e4m3 = ml_dtypes.float8_e4m3fn
-    vectors = reciprocal_sensitive_vectors(448.0, lambda y: y.astype(e4m3).view(np.uint8))
+    fmt_k, _ = preset_formats(f"vllm/{kind}_per_token_head")
+    vectors = reciprocal_sensitive_vectors(q_max, rounding)
     slots = torch.arange(len(vectors))
     by_kernel, by_reference = (KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM) for _ in range(2))
     write_kv(vectors, vectors, slots, by_kernel, KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM))
     write_kv_ref(vectors, vectors, slots, by_reference, KVPool.allocate(fmt_k, 1, BLOCK, 1, DIM))
-    codes, _ = ref.encode_per_token_head(vectors.numpy(), "fp8")
+    codes, _ = ref.encode_per_token_head(vectors.numpy(), kind)
     for pool in (by_kernel, by_reference):
         np.testing.assert_array_equal(stored(pool, slots)[0], codes)
