@@ -32,6 +32,10 @@ def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cach
     result = run_kvtune("tune", *args, *tiny_study_args, cwd=tmp_path, cache=kvtune_cache)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Pareto front of study NAME" in result.stdout
+    # stdout is a pipe here: one plain line per trial, no live bar.
+    progress = [line for line in result.stdout.splitlines() if line.startswith("NAME [")]
+    assert [line.split("]")[0] for line in progress] == [f"NAME [{n}/4" for n in range(1, 5)]
+    assert all("MiB/seq" in line and "\x1b" not in line for line in progress)
 
     study = load(storage, "NAME")
     trials = study.get_trials()
@@ -78,7 +82,9 @@ def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cach
     )
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = load(storage, "NAME").get_trials()
-    assert len(resumed) == 5
+    measured = [t for t in resumed if t.state != TrialState.PRUNED]  # pruned: repeats skipped
+    assert len(measured) == 5 and all(t.state == TrialState.COMPLETE for t in measured)
+    assert len({str(t.user_attrs["policy"]) for t in measured}) == 5
     assert [t.datetime_start for t in resumed[:4]] == [t.datetime_start for t in trials]
 
     other = run_kvtune(
