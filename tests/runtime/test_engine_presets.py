@@ -1,0 +1,57 @@
+"""The engine presets (conf/policy/vllm, conf/policy/sglang) run in the engine: the Triton
+backend agrees with the torch backend, the tensor scale stays 1 (no calibration, as the engines
+without checkpoint scales), held bytes equal the planner's, and the logits stay near the exact
+cache's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from runtime import LLM
+from runtime.block_manager import MAIN
+from runtime.kv_bytes import kv_bytes_per_sequence
+from runtime.policy import KVPolicy
+from tests.runtime.test_engine import random_tokens, relative_error
+
+CONF = Path(__file__).resolve().parents[2] / "conf"
+PRESETS = sorted(
+    f"{path.parent.name}/{path.stem}"
+    for engine in ("vllm", "sglang")
+    for path in (CONF / "policy" / engine).glob("*.yaml")
+)
+TINY_HEAD_DIM = 32  # tests/runtime/conftest.py
+
+
+def tiny_preset(name: str) -> KVPolicy:
+    """The preset as Hydra composes it, on small blocks; a one-scale-per-vector preset (fp32
+    scales) gets the tiny model's head_dim as its group, as its comment tells users to do."""
+    with initialize_config_dir(str(CONF), version_base=None):
+        cfg = compose("plan", overrides=[f"policy={name}"])
+    policy = KVPolicy.from_dict(dict(cfg.policy)).replace(block_size=8, chunk_size=16)
+    if policy.scale_dtype == "fp32":
+        policy = policy.replace(group_size=TINY_HEAD_DIM)
+    return policy
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_runs_alike_on_both_backends_with_unit_tensor_scales(tiny_llama, name):
+    policy = tiny_preset(name)
+    tokens = random_tokens(40, seed=3)
+    torch_llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
+    for layer in torch_llm.engine.cache.layers:
+        assert float(layer.k[MAIN].tensor_scale) == float(layer.v[MAIN].tensor_scale) == 1.0
+    reference = torch_llm.prompt_logits(tokens)
+    exact = LLM(str(tiny_llama), policy=KVPolicy("auto", "auto"), max_model_len=64)
+    assert relative_error(reference, exact.prompt_logits(tokens)) < 0.2
+    triton = LLM(str(tiny_llama), policy=policy, backend="triton", max_model_len=64)
+    assert relative_error(triton.prompt_logits(tokens), reference) < 1e-4
+    engine = triton.engine
+    engine.add_request(tokens[:20], max_new_tokens=4)
+    while engine.scheduler.has_work:
+        engine.step()
+        for seq in engine.scheduler.running:
+            held = engine._held_bytes(engine.scheduler.kv[seq.seq_id])
+            assert held == kv_bytes_per_sequence(triton.arch, policy, seq.num_cached)
