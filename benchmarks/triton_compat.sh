@@ -18,6 +18,8 @@ if [ ! -x "$venv/bin/python" ]; then
     "$venv/bin/pip" install -q torch==2.13.0
     "$venv/bin/pip" install -q triton==3.6.0 pytest ml-dtypes numpy rich
 fi
+# What the kernel tests import besides torch and triton (oracles, presets, the runtime's loaders).
+"$venv/bin/pip" install -q scipy hydra-core==1.3.8 safetensors gguf tokenizers
 numpy23=$venv-numpy23
 [ -d "$numpy23/numpy" ] || "$venv/bin/pip" install -q --target "$numpy23" "numpy<2.4"
 
