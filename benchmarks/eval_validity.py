@@ -1,11 +1,12 @@
 """Does the cheap suite rank policies as a larger held-out one does, above all where the tuner
 decides (held-out retention >= 0.9, constraints.min_retention)?
 
-For 25 policies across the space (the first 16 meant for the decision region: fp8 at group sizes
-and per tensor, K fp8 / V fp4 at g16/g32/g64, recent windows, per-layer mixes; then fp4, CSA
-and per-tensor fp4 below it), each policy's accuracy retention on the default `quick` suite is
-compared with its mean retention over held-out seeds of the `heldout` preset (other documents
-and needles, 1.5x the context, about twice the samples; `--heldout-seeds 1,2`). Reported:
+For 29 policies across the space (the first 16 meant for the decision region: fp8 at group
+sizes and per tensor, K fp8 / V fp4 at g16/g32/g64, recent windows, per-layer mixes; then
+int8, int4 with and without a Hadamard rotation, fp4, CSA and per-tensor fp4), each policy's
+accuracy retention on the default `quick` suite is compared with its mean retention over
+held-out seeds of the `heldout` preset (other documents and needles, 1.5x the context, more
+haystacks; `--heldout-seeds 1,2`). Reported:
 retentions with their bootstrap standard errors (per seed too), greedy exact-match retention
 and KL on each, and Spearman rank correlations overall (target >= 0.95) and inside the
 decision region (target >= 0.8), for the headline and for the gold-answer probability it
@@ -78,6 +79,10 @@ POLICIES: dict[str, KVPolicy] = {
     "fp8 outer, fp4 g16 inner": KVPolicy(
         "fp8", "fp8", layer_dtypes=_mixed("fp8/fp8", "fp4/fp4"), group_size=16
     ),
+    "int8 g32": KVPolicy("int8", "int8", group_size=32),
+    "K int8 / V int4 g32": KVPolicy("int8", "int4", group_size=32),
+    "int4 g32 + hadamard": KVPolicy("int4", "int4", group_size=32, rotation="hadamard"),
+    "int4 g32": KVPolicy("int4", "int4", group_size=32),
     "fp8 + csa4": KVPolicy("fp8", "fp8", group_size="tensor", csa_ratio=4, csa_window=256),
     "fp4 g16 e4m3": KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3"),
     "fp4 g16 + recent 256": KVPolicy(
