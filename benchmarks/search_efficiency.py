@@ -232,7 +232,8 @@ def main() -> None:
         runs = [run_sampler(name, s, trials, space, arch, oracle, reference) for s in seeds]
         curves[name] = np.array(runs)
     target = float(curves["random"].mean(axis=0)[-1]) if "random" in curves else math.nan
-    marks = [c for c in CHECKPOINTS if c <= max(args.trials, args.model_trials)]
+    longest = max(args.trials, args.model_trials)
+    marks = sorted({c for c in CHECKPOINTS if c <= longest} | {args.trials, args.model_trials})
     header = ["sampler", *(f"HV@{m}" for m in marks), f"trials to random's HV@{args.trials}"]
     rows = summary_rows(curves, marks, target)
     title = (
