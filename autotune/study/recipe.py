@@ -28,6 +28,7 @@ from autotune.search.sensitivity import RuntimeSettings, group_layers, layer_sen
 from autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
 from autotune.study.objectives import Constraints, TrialContext, parse_objectives
 from runtime.arch import ModelArch
+from runtime.backends import BACKENDS
 from runtime.errors import ConfigError
 from runtime.llm import compute_dtype_name
 from runtime.model_source import resolve_model
@@ -44,7 +45,6 @@ RECIPE_KEYS = (
     "constraints",
     "runtime",
 )
-RUNTIME_BACKENDS = ("torch", "triton")
 
 
 def plain(node: Any) -> Any:
@@ -133,8 +133,8 @@ def _runtime(data: Mapping[str, Any]) -> RuntimeSettings:
         if key not in known:
             raise ConfigError(f"runtime.{key}", data[key], f"one of {', '.join(sorted(known))}")
     runtime = RuntimeSettings(**data)
-    if runtime.backend not in RUNTIME_BACKENDS:
-        raise ConfigError("runtime.backend", runtime.backend, f"one of {RUNTIME_BACKENDS}")
+    if runtime.backend not in BACKENDS:
+        raise ConfigError("runtime.backend", runtime.backend, f"one of {', '.join(BACKENDS)}")
     return runtime
 
 
