@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 
 from autotune.config.settings import build_policy
@@ -23,28 +24,43 @@ PRESETS = sorted(
     for engine in ("vllm", "sglang")
     for path in (CONF / "policy" / engine).glob("*.yaml")
 )
-# conf/model/smollm2-135m.yaml: layers, KV heads, head_dim.
-SMOL_LAYERS, SMOL_KV_HEADS, SMOL_HEAD_DIM = 30, 3, 64
 
 
 def test_every_engine_has_presets():
     assert {"vllm/fp8", "vllm/nvfp4", "sglang/fp8_e4m3", "sglang/nvfp4"} <= set(PRESETS)
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_plan_reports_the_engines_bytes_per_token(preset):
+def json_objects(text: str) -> list[dict]:
+    """The JSON objects printed one after another (one per multirun job)."""
+    decoder, objects, at = json.JSONDecoder(), [], 0
+    while text[at:].strip():
+        at += len(text[at:]) - len(text[at:].lstrip())
+        obj, at = decoder.raw_decode(text, at)
+        objects.append(obj)
+    return objects
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.1-8b"])
+def test_plan_reports_the_engines_bytes_per_token(model, tmp_path):
+    """One `kvtune plan -m` over every preset: head_dim 64 and 128 (the per-vector presets
+    follow the model's head_dim)."""
     result = subprocess.run(
-        [*KVTUNE, "plan", f"policy={preset}", "format=json"],
+        [*KVTUNE, "plan", "-m", f"policy={','.join(PRESETS)}", f"model={model}", "format=json"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
-    plan = json.loads(result.stdout)
-    engine, dtype = preset.split("/")
-    per_token_head = kv_bytes_per_token_head(engine, dtype, SMOL_HEAD_DIM)
-    assert plan["kv_bytes_per_token"] == SMOL_LAYERS * SMOL_KV_HEADS * per_token_head
-    assert plan["policy"]["tensor_scale"] == "unit"
+    plans = json_objects(result.stdout)
+    assert len(plans) == len(PRESETS)
+    arch = yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text())
+    for preset, plan in zip(PRESETS, plans, strict=True):
+        engine, dtype = preset.split("/")
+        per_token_head = kv_bytes_per_token_head(engine, dtype, arch["head_dim"])
+        expected = arch["num_layers"] * arch["num_kv_heads"] * per_token_head
+        assert plan["kv_bytes_per_token"] == expected, preset
+        assert plan["policy"]["tensor_scale"] == "unit"
 
 
 @pytest.mark.parametrize("config", ["plan", "evaluate"])

@@ -38,8 +38,8 @@ Encoded = tuple[np.ndarray, np.ndarray | None]
 class Engine:
     """An engine's --kv-cache-dtype: its name for the byte formula and its reference encoder
     and decoder (x [..., D] float32 -> (codes as stored, scales as stored or None), scales
-    [..., scales per vector] as kvtune lays them out). per_vector: one scale per vector, so the
-    preset's group_size is the head_dim it was written for."""
+    [..., scales per vector] as kvtune lays them out). per_vector: one scale per vector, the
+    preset's group_size is the model's head_dim."""
 
     engine: str
     dtype: str
@@ -86,16 +86,16 @@ PRESETS = {
 }
 
 
-def preset_policy(name: str) -> KVPolicy:
-    """The policy `policy=<name>` composes to (Hydra, as the CLI does)."""
+def preset_policy(name: str, *overrides: str) -> KVPolicy:
+    """The policy `policy=<name>` composes to (Hydra, as the CLI does; SmolLM2 by default)."""
     with initialize_config_dir(str(CONF), version_base=None):
-        cfg = compose("plan", overrides=[f"policy={name}"])
+        cfg = compose("plan", overrides=[f"policy={name}", *overrides])
     return KVPolicy.from_dict(dict(cfg.policy))
 
 
 def preset_formats(name: str, head_dim: int = DIM) -> tuple[KVFormat, KVFormat]:
     """K and V formats of a preset for vectors of head_dim elements (a per-vector preset's
-    group_size set to head_dim, as its comment tells users to do)."""
+    group_size is the model's head_dim)."""
     policy = preset_policy(name)
     if PRESETS[name].per_vector:
         policy = policy.replace(group_size=head_dim)
@@ -222,11 +222,12 @@ def test_calibrated_tensor_scale_is_the_alternative_and_changes_the_codes():
     assert not np.array_equal(stored(pool, slots)[1], ref.encode_nvfp4(x.numpy(), 1.0)[1])
 
 
-def test_preset_group_size_is_the_head_dim_it_was_written_for():
-    """A per-vector preset holds one scale per vector at SmolLM2's head_dim (64)."""
+def test_per_vector_presets_take_the_models_head_dim_as_group():
+    """One scale per vector whatever the model: group_size follows model.head_dim."""
     for name, engine in PRESETS.items():
         if engine.per_vector:
-            assert preset_policy(name).group_size == DIM
+            assert preset_policy(name).group_size == DIM  # SmolLM2
+            assert preset_policy(name, "model=llama-3.1-8b").group_size == 128
 
 
 @pytest.mark.parametrize("power", [-30, -3, 0, 5, 40])

@@ -27,7 +27,8 @@ TINY_HEAD_DIM = 32  # tests/runtime/conftest.py
 
 def tiny_preset(name: str) -> KVPolicy:
     """The preset as Hydra composes it, on small blocks; a one-scale-per-vector preset (fp32
-    scales) gets the tiny model's head_dim as its group, as its comment tells users to do."""
+    scales, group_size = model.head_dim) gets the tiny model's head_dim, which no conf/model
+    preset has."""
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("plan", overrides=[f"policy={name}"])
     policy = KVPolicy.from_dict(dict(cfg.policy)).replace(block_size=8, chunk_size=16)
