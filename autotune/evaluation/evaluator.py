@@ -127,6 +127,24 @@ def _likelihood_retention(
     }
 
 
+def _retentions(
+    folder: TaskFolder, task: str, baseline: SuiteRun, run: SuiteRun
+) -> dict[str, float | None]:
+    """A task's retention with its stderr, and for a probability-scored task its score
+    retention beside it (a generation task's retention is its exact-match ratio)."""
+    metric = PRIMARY[TASKS[task].kind]
+    score, base = run.tasks[task], baseline.tasks[task]
+    by_score = retention(metric, score.score, base.score)
+    stderr = retention_stderr(metric, np.asarray(score.values), np.asarray(base.values))
+    if TASKS[task].kind == GENERATION:
+        return {"retention": by_score, "retention_stderr": stderr}
+    return {
+        **_likelihood_retention(folder, task, baseline, run),
+        "score_retention": by_score,
+        "score_retention_stderr": stderr,
+    }
+
+
 def _mean(values: Iterable[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
@@ -160,19 +178,6 @@ def report(
         base = baseline.tasks[name]
         task = TASKS[name]
         keys = _task_keys(folder, name, run.rows)
-        metric = PRIMARY[task.kind]
-        score_retention = {
-            "retention": retention(metric, score.score, base.score),
-            "retention_stderr": retention_stderr(
-                metric, np.asarray(score.values), np.asarray(base.values)
-            ),
-        }
-        if task.kind != GENERATION:  # the headline is the expected likelihood ratio
-            score_retention = {
-                "score_retention": score_retention["retention"],
-                "score_retention_stderr": score_retention["retention_stderr"],
-                **_likelihood_retention(folder, name, baseline, run),
-            }
         tasks[name] = {
             "metric": score.metric,
             "higher_is_better": score.higher_is_better,
@@ -180,7 +185,7 @@ def report(
             "stderr": score.stderr,
             "baseline_score": base.score,
             "baseline_stderr": base.stderr,
-            **score_retention,
+            **_retentions(folder, name, baseline, run),
             **_exact_match(score, base),
             "samples": score.samples,
             "chance": task.chance,

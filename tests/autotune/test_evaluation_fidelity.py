@@ -9,9 +9,18 @@ import numpy as np
 import pytest
 import torch
 
+from autotune.evaluation.evaluator import report
 from autotune.evaluation.fidelity import FidelityRecorder, coarse_kl, scored_kl, task_fidelity
-from autotune.evaluation.scoring import likelihood_retention, likelihood_retention_stderr
-from autotune.evaluation.tasks import PERPLEXITY, QA
+from autotune.evaluation.scoring import (
+    likelihood_retention,
+    likelihood_retention_stderr,
+    task_score,
+)
+from autotune.evaluation.suite import EvalSuite
+from autotune.evaluation.suite_run import SuiteRun
+from autotune.evaluation.task_files import TaskFolder
+from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA
+from runtime.policy import KVPolicy
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -125,3 +134,53 @@ def test_expected_likelihood_retention_per_answer_and_per_token():
     # Small KL: retention ~ 1 - mean, so the stderr is about the KL's own standard error.
     analytic = spread[:, 0].std() / math.sqrt(len(spread)) * likelihood_retention(QA, spread)
     assert likelihood_retention_stderr(QA, spread) == pytest.approx(analytic, rel=0.15)
+
+
+def test_report_averages_the_expected_likelihood_over_tasks_with_the_score_beside(tmp_path):
+    """report() on hand-made runs: the headline against exact full-vocabulary KL computed here,
+    the gold-answer probability ratio beside it, the greedy needle outside the average."""
+    generator = torch.Generator().manual_seed(2)
+    vocab = 24  # <= the recorder's top k: its KL is the exact one
+    rows = {
+        "multikey": [{"context": f"c{i}", "answer": f"a{i}"} for i in range(3)],
+        "wiki_ppl": [{"text": f"t{i}"} for i in range(2)],
+        "needle_greedy": [{"context": f"n{i}", "answer": "1"} for i in range(2)],
+    }
+    keys = [("c0", "a0"), ("c1", "a1"), ("c2", "a2"), ("t0", "0"), ("t1", "0")]
+    lengths = [2, 3, 4, 6, 5]  # answer / document tokens
+    base = {
+        k: log_probs(torch.randn(n, vocab, generator=generator))
+        for k, n in zip(keys, lengths, strict=True)
+    }
+    policy = {
+        k: log_probs(v + 0.4 * torch.randn(v.shape, generator=generator)) for k, v in base.items()
+    }
+    ref = record(base, top_k=vocab)
+    pol = record(policy, reference=ref, top_k=vocab)
+    qa = [{"doc_id": i, "perplexity": math.log(p), "acc": 1} for i, p in enumerate([0.5, 0.2, 0.4])]
+    qa_policy = [{**s, "perplexity": s["perplexity"] - 0.1} for s in qa]
+    ppl = [{"doc_id": i, "word_perplexity": (-20.0 - i, 10)} for i in range(2)]
+    needle = [{"doc_id": 0, "exact_match": 1.0}, {"doc_id": 1, "exact_match": 1.0}]
+    needle_policy = [{"doc_id": 0, "exact_match": 1.0}, {"doc_id": 1, "exact_match": 0.0}]
+
+    def run(qa_samples, needle_samples, recorded):
+        tasks = {
+            "multikey": task_score(QA, qa_samples),
+            "wiki_ppl": task_score(PERPLEXITY, ppl),
+            "needle_greedy": task_score(GENERATION, needle_samples),
+        }
+        return SuiteRun(tasks, recorded, 1.0)
+
+    folder = TaskFolder(tmp_path, rows, 16)
+    suite = EvalSuite(tasks={name: {"docs": 1} for name in rows})
+    result = report(
+        suite, KVPolicy(), folder, run(qa, needle, ref), run(qa_policy, needle_policy, pol)
+    )
+    kl = {k: exact_kl(base[k], policy[k]) for k in keys}
+    answers = math.exp(-np.mean([float(kl[k].sum()) for k in keys[:3]]))
+    tokens = math.exp(-sum(float(kl[k].sum()) for k in keys[3:]) / 11)
+    assert result["accuracy_retention"] == pytest.approx((answers + tokens) / 2, rel=1e-4)
+    assert result["tasks"]["multikey"]["score_retention"] == pytest.approx(math.exp(-0.1))
+    assert result["score_retention"] == pytest.approx((math.exp(-0.1) + 1.0) / 2)
+    assert result["generation_exact_match_retention"] == 0.5
+    assert result["tasks"]["needle_greedy"]["retention"] == 0.5
