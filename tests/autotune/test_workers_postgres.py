@@ -25,7 +25,7 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from autotune.study.optuna_study import FAILURE_ATTR, counted
+from autotune.study.optuna_study import FAILURE_ATTR, counted, policy_key
 from tests.autotune.conftest import run_kvtune, start_kvtune
 
 APT_HINT = "apt-get install -y postgresql"
@@ -121,6 +121,8 @@ def test_three_workers_share_one_study(postgres, tiny_study_args, tmp_path, kvtu
     trials = optuna.load_study(study_name="shared", storage=postgres["optuna"]).get_trials()
     budget = [t for t in trials if counted(t)]
     assert len(budget) == 6 and all(t.state == TrialState.COMPLETE for t in budget)
+    policies = [policy_key(t.user_attrs["policy"]) for t in budget]
+    assert len(set(policies)) == 6  # three workers, yet no policy measured twice
     runs = trial_runs(postgres, "shared")
     numbers = [int(r.data.tags["trial_number"]) for r in runs]
     assert sorted(numbers) == sorted(t.number for t in budget)  # every trial once, no duplicate
