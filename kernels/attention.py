@@ -155,11 +155,11 @@ def _stream_attention_kernel(
     CAUSAL: tl.constexpr,
     K_CODE: tl.constexpr,
     K_GROUP_SIZE: tl.constexpr,
-    K_SCALE_E4M3: tl.constexpr,
+    K_SCALE_DTYPE: tl.constexpr,
     K_TOKEN_GROUP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_GROUP_SIZE: tl.constexpr,
-    V_SCALE_E4M3: tl.constexpr,
+    V_SCALE_DTYPE: tl.constexpr,
     V_TOKEN_GROUP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -222,7 +222,7 @@ def _stream_attention_kernel(
             HEAD_DIM,
             K_CODE,
             K_GROUP_SIZE,
-            K_SCALE_E4M3,
+            K_SCALE_DTYPE,
             K_TOKEN_GROUP,
         )
         logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2 + bias_log2
@@ -254,7 +254,7 @@ def _stream_attention_kernel(
             HEAD_DIM,
             V_CODE,
             V_GROUP_SIZE,
-            V_SCALE_E4M3,
+            V_SCALE_DTYPE,
             V_TOKEN_GROUP,
         )
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)

@@ -36,11 +36,11 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     K_CODE: tl.constexpr,
     K_GROUP_SIZE: tl.constexpr,
-    K_SCALE_E4M3: tl.constexpr,
+    K_SCALE_DTYPE: tl.constexpr,
     K_TOKEN_GROUP: tl.constexpr,
     V_CODE: tl.constexpr,
     V_GROUP_SIZE: tl.constexpr,
-    V_SCALE_E4M3: tl.constexpr,
+    V_SCALE_DTYPE: tl.constexpr,
     V_TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -68,7 +68,7 @@ def _write_kv_kernel(
         HEAD_DIM,
         K_CODE,
         K_GROUP_SIZE,
-        K_SCALE_E4M3,
+        K_SCALE_DTYPE,
     )
     v_offsets = tokens[:, None] * stride_v_token + heads[:, None] * stride_v_head + dims[None, :]
     v = tl.load(v_ptr + v_offsets, mask=load_mask, other=0.0).to(tl.float32)
@@ -84,7 +84,7 @@ def _write_kv_kernel(
         HEAD_DIM,
         V_CODE,
         V_GROUP_SIZE,
-        V_SCALE_E4M3,
+        V_SCALE_DTYPE,
     )
 
 

@@ -46,11 +46,11 @@ def _compress_kernel(
     RATIO: tl.constexpr,
     SRC_CODE: tl.constexpr,
     SRC_GROUP_SIZE: tl.constexpr,
-    SRC_SCALE_E4M3: tl.constexpr,
+    SRC_SCALE_DTYPE: tl.constexpr,
     SRC_TOKEN_GROUP: tl.constexpr,
     DST_CODE: tl.constexpr,
     DST_GROUP_SIZE: tl.constexpr,
-    DST_SCALE_E4M3: tl.constexpr,
+    DST_SCALE_DTYPE: tl.constexpr,
     DST_TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -79,7 +79,7 @@ def _compress_kernel(
         HEAD_DIM,
         SRC_CODE,
         SRC_GROUP_SIZE,
-        SRC_SCALE_E4M3,
+        SRC_SCALE_DTYPE,
         SRC_TOKEN_GROUP,
     )
     for token in tl.static_range(1, RATIO):
@@ -95,7 +95,7 @@ def _compress_kernel(
             HEAD_DIM,
             SRC_CODE,
             SRC_GROUP_SIZE,
-            SRC_SCALE_E4M3,
+            SRC_SCALE_DTYPE,
             SRC_TOKEN_GROUP,
         )
     mean = tl.math.div_rn(total, tl.full(total.shape, RATIO, tl.float32))
@@ -111,7 +111,7 @@ def _compress_kernel(
         HEAD_DIM,
         DST_CODE,
         DST_GROUP_SIZE,
-        DST_SCALE_E4M3,
+        DST_SCALE_DTYPE,
     )
 
 
@@ -130,11 +130,11 @@ def _copy_token_groups_kernel(
     BLOCK_SIZE: tl.constexpr,
     SRC_CODE: tl.constexpr,
     SRC_GROUP_SIZE: tl.constexpr,
-    SRC_SCALE_E4M3: tl.constexpr,
+    SRC_SCALE_DTYPE: tl.constexpr,
     SRC_TOKEN_GROUP: tl.constexpr,
     DST_CODE: tl.constexpr,
     DST_GROUP_SIZE: tl.constexpr,
-    DST_SCALE_E4M3: tl.constexpr,
+    DST_SCALE_DTYPE: tl.constexpr,
     DST_TOKEN_GROUP: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -158,7 +158,7 @@ def _copy_token_groups_kernel(
         HEAD_DIM,
         SRC_CODE,
         SRC_GROUP_SIZE,
-        SRC_SCALE_E4M3,
+        SRC_SCALE_DTYPE,
         SRC_TOKEN_GROUP,
     )
     quantize_store_token_groups(
@@ -172,7 +172,7 @@ def _copy_token_groups_kernel(
         HEAD_DIM,
         DST_CODE,
         DST_GROUP_SIZE,
-        DST_SCALE_E4M3,
+        DST_SCALE_DTYPE,
     )
 
 

@@ -40,12 +40,12 @@ Device helpers for other kernels (cache writes, attention, compression) address 
 [num_blocks, block_size, heads, width] looks with row = block_id * block_size + offset:
 
     values = load_dequant_tile(codes_ptr, scales_ptr, tensor_scale_ptr, rows, head, mask, dims,
-                               NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
+                               NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_DTYPE)
     quantize_store_tile(codes_ptr, scales_ptr, tensor_scale_ptr, rows, head, mask, values,
-                        NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_E4M3)
+                        NUM_HEADS, HEAD_DIM, CODE, GROUP_SIZE, SCALE_DTYPE)
 
-`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_E4M3 / TOKEN_GROUP constexprs of a
-format. SCALE_E4M3 carries the scale dtype's SCALE code (`kernels.scale_formats`: 0 fp16,
+`format_switches(fmt)` gives the CODE / GROUP_SIZE / SCALE_DTYPE / TOKEN_GROUP constexprs of a
+format. SCALE_DTYPE carries the scale dtype's SCALE code (`kernels.scale_formats`: 0 fp16,
 1 e4m3, 2 fp32, 3 ue8m0); it keeps the name it had when e4m3 was the only alternative, so the
 kernels that pass it through need no change. A format with a zero point keeps it in the scales
 buffer, after the vector's group scales, so the helpers need no extra pointer.
@@ -95,14 +95,14 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
 
     CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY,
     CODE_INT8_SYMMETRIC or CODE_UINT + bits (asymmetric integer codes with zero points);
-    GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_E4M3: the SCALE code of the
+    GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_DTYPE: the SCALE code of the
     group scales' dtype (0 fp16, 1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP:
     consecutive rows sharing a row of scales.
     """
     return {
         f"{prefix}CODE": fmt.element.code if fmt.quantized else CODE_FLOAT.value,
         f"{prefix}GROUP_SIZE": fmt.group_size or 0,
-        f"{prefix}SCALE_E4M3": fmt.scale_format.code if fmt.quantized else 0,
+        f"{prefix}SCALE_DTYPE": fmt.scale_format.code if fmt.quantized else 0,
         f"{prefix}TOKEN_GROUP": fmt.token_group,
     }
 
@@ -153,7 +153,7 @@ def load_dequant_tile(
     HEAD_DIM: tl.constexpr,
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    SCALE_E4M3: tl.constexpr,
+    SCALE_DTYPE: tl.constexpr,
     TOKEN_GROUP: tl.constexpr,
 ):
     """fp32 tile [len(rows), len(dims)] of dequantized vectors.
@@ -194,7 +194,7 @@ def load_dequant_tile(
             scale_rows = (rows.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head
             offsets = scale_rows[:, None] * (NUM_GROUPS * PARAMS) + dims[None, :] // GROUP_SIZE
             stored = tl.load(scales_ptr + offsets, mask=dmask, other=0)
-            values = values * decode_scale(stored, SCALE_E4M3)
+            values = values * decode_scale(stored, SCALE_DTYPE)
             if ZERO_POINT:
                 zero = tl.load(scales_ptr + offsets + NUM_GROUPS, mask=dmask, other=0)
                 values = values + zero.to(tl.float32)
@@ -306,7 +306,7 @@ def quantize_store_tile(
     HEAD_DIM: tl.constexpr,
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    SCALE_E4M3: tl.constexpr,
+    SCALE_DTYPE: tl.constexpr,
 ):
     """Quantize an fp32 tile [R, BLOCK_D] of whole vectors and store codes and group scales.
 
@@ -338,7 +338,7 @@ def quantize_store_tile(
                 mask,
                 HEAD_DIM,
                 GROUP_SIZE,
-                SCALE_E4M3,
+                SCALE_DTYPE,
                 MAX_CODE,
                 ZERO_POINT,
             )
@@ -347,7 +347,7 @@ def quantize_store_tile(
                 scale[:, :, None],
                 zero[:, :, None],
                 ZERO_POINT,
-                scale_reciprocal(SCALE_E4M3),
+                scale_reciprocal(SCALE_DTYPE),
             )
             scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
         _store_codes(codes_ptr, vectors, mask, scaled, HEAD_DIM, CODE)
@@ -365,7 +365,7 @@ def quantize_store_token_groups(
     HEAD_DIM: tl.constexpr,
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    SCALE_E4M3: tl.constexpr,
+    SCALE_DTYPE: tl.constexpr,
 ):
     """Quantize the fp32 tile [TOKEN_GROUP, BLOCK_D] of rows first_row ... (one token group of
     a token-grouped format, one head) and store its codes and its one row of scales."""
@@ -391,12 +391,12 @@ def quantize_store_token_groups(
         tl.full((1,), True, tl.int1),
         HEAD_DIM * TOKEN_GROUP,
         GROUP_SIZE * TOKEN_GROUP,
-        SCALE_E4M3,
+        SCALE_DTYPE,
         MAX_CODE,
         ZERO_POINT,
     )
     grouped = _to_code_units(
-        grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT, scale_reciprocal(SCALE_E4M3)
+        grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT, scale_reciprocal(SCALE_DTYPE)
     )
     scaled = tl.reshape(grouped, (TOKEN_GROUP, BLOCK_D))
     vectors = rows * NUM_HEADS + head
@@ -413,7 +413,7 @@ def _quantize_kernel(
     HEAD_DIM: tl.constexpr,
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    SCALE_E4M3: tl.constexpr,
+    SCALE_DTYPE: tl.constexpr,
     TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -435,7 +435,7 @@ def _quantize_kernel(
         HEAD_DIM,
         CODE,
         GROUP_SIZE,
-        SCALE_E4M3,
+        SCALE_DTYPE,
     )
 
 
@@ -449,7 +449,7 @@ def _dequantize_kernel(
     HEAD_DIM: tl.constexpr,
     CODE: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    SCALE_E4M3: tl.constexpr,
+    SCALE_DTYPE: tl.constexpr,
     TOKEN_GROUP: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -469,7 +469,7 @@ def _dequantize_kernel(
         HEAD_DIM,
         CODE,
         GROUP_SIZE,
-        SCALE_E4M3,
+        SCALE_DTYPE,
         TOKEN_GROUP,
     )
     offsets = rows.to(tl.int64)[:, None] * HEAD_DIM + dims[None, :]

@@ -35,7 +35,7 @@ from kernels.fp_codes import decode_e4m3, decode_e4m3_fast, encode_e4m3, encode_
 
 # SCALE constexpr values of the device helpers.
 SCALE_FP16 = tl.constexpr(0)
-SCALE_E4M3 = tl.constexpr(1)
+SCALE_DTYPE = tl.constexpr(1)
 SCALE_FP32 = tl.constexpr(2)
 SCALE_UE8M0 = tl.constexpr(3)
 UE8M0_BIAS = 127
@@ -88,7 +88,7 @@ def _to_fp32(scales: torch.Tensor) -> torch.Tensor:
 SCALE_FORMATS: dict[str, ScaleFormat] = {
     "fp16": ScaleFormat(SCALE_FP16.value, 2, torch.float16, True, 0.0, False, _to_fp16, _to_fp32),
     "e4m3": ScaleFormat(
-        SCALE_E4M3.value, 1, torch.uint8, False, 0.0, False, encode_e4m3_fast, decode_e4m3_fast
+        SCALE_DTYPE.value, 1, torch.uint8, False, 0.0, False, encode_e4m3_fast, decode_e4m3_fast
     ),
     "fp32": ScaleFormat(SCALE_FP32.value, 4, torch.float32, False, 1e-6, True, _to_fp32, _to_fp32),
     "ue8m0": ScaleFormat(
@@ -113,7 +113,7 @@ def scale_reciprocal(scale_code):
 @triton.jit
 def encode_scale(exact, SCALE: tl.constexpr):
     """fp32 tile of exact (floored) scales -> stored scales of the SCALE dtype."""
-    if SCALE == SCALE_E4M3:
+    if SCALE == SCALE_DTYPE:
         stored = encode_e4m3(exact)
     elif SCALE == SCALE_FP32:
         stored = exact
@@ -131,7 +131,7 @@ def encode_scale(exact, SCALE: tl.constexpr):
 @triton.jit
 def decode_scale(stored, SCALE: tl.constexpr):
     """Stored scales of the SCALE dtype -> fp32 (exact)."""
-    if SCALE == SCALE_E4M3:
+    if SCALE == SCALE_DTYPE:
         scale = decode_e4m3(stored)
     elif SCALE == SCALE_UE8M0:
         scale = (stored.to(tl.int32) << FP32_MANTISSA_BITS).to(tl.float32, bitcast=True)
