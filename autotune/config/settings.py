@@ -14,6 +14,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from runtime.arch import GIB, ModelArch, arch_from_folder
+from runtime.dtypes import compute_dtype_name
 from runtime.errors import ConfigError
 from runtime.policy import KVPolicy
 
@@ -103,6 +104,8 @@ def build_model_arch(model_cfg: Mapping[str, Any], command_line: Iterable[str] =
     With a path, config.json decides every field except those given on the command line.
     """
     cfg = _plain(model_cfg)
+    if "dtype" in cfg:  # spelt as vLLM and PyTorch users write it (float32, half, ...)
+        cfg["dtype"] = compute_dtype_name(cfg["dtype"], field="model.dtype")
     if cfg.get("path"):
         explicit = overridden_keys(command_line, "model")
         arch = arch_from_folder(cfg["path"])

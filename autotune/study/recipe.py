@@ -29,8 +29,8 @@ from autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
 from autotune.study.objectives import Constraints, TrialContext, parse_objectives
 from runtime.arch import ModelArch
 from runtime.backends import BACKENDS
+from runtime.dtypes import compute_dtype_name
 from runtime.errors import ConfigError
-from runtime.llm import compute_dtype_name
 from runtime.model_source import resolve_model
 
 RECIPE_KEYS = (

@@ -103,19 +103,25 @@ def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cach
     assert len(warm) == 4 and all(t.user_attrs["cached"] for t in warm)  # free: measured before
 
 
-@pytest.mark.slow
-def test_multirun_runs_one_study_per_workload(tmp_path, tiny_study_args, kvtune_cache):
+def tune_multirun(tmp_path, tiny_study_args, kvtune_cache, *overrides: str) -> None:
+    """`kvtune tune -m workload=tiny,tiny2 study.n_trials=1 <overrides>` on the tiny model."""
     args = [a for a in tiny_study_args if not a.startswith("workload=")]
     result = run_kvtune(
         "tune",
         "-m",
         "workload=tiny,tiny2",
         "study.n_trials=1",
+        *overrides,
         *args,
         cwd=tmp_path,
         cache=kvtune_cache,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_multirun_runs_one_study_per_workload(tmp_path, tiny_study_args, kvtune_cache):
+    tune_multirun(tmp_path, tiny_study_args, kvtune_cache)
     for name in ("tiny-tiny", "tiny-tiny2"):
         study = load(f"sqlite:///{tmp_path / 'studies' / name / 'optuna.db'}", name)
         assert len(study.get_trials()) == 1
@@ -124,20 +130,8 @@ def test_multirun_runs_one_study_per_workload(tmp_path, tiny_study_args, kvtune_
 
 @pytest.mark.slow
 def test_a_named_multirun_gives_one_study_per_combination(tmp_path, tiny_study_args, kvtune_cache):
-    args = [a for a in tiny_study_args if not a.startswith("workload=")]
-    result = run_kvtune(
-        "tune",
-        "-m",
-        "study.name=sweep",
-        "workload=tiny,tiny2",
-        "study.seed=0,1",
-        "study.n_trials=1",
-        "runtime.dtype=float32",
-        *args,
-        cwd=tmp_path,
-        cache=kvtune_cache,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    overrides = ("study.name=sweep", "study.seed=0,1", "runtime.dtype=float32")
+    tune_multirun(tmp_path, tiny_study_args, kvtune_cache, *overrides)
     names = {p.name for p in (tmp_path / "studies").iterdir()} - {"multirun"}
     expected = {f"sweep-workload_{w}-study.seed_{s}" for w in ("tiny", "tiny2") for s in (0, 1)}
     assert names == expected

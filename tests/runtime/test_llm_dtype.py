@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from runtime.dtypes import compute_dtype_name
 from runtime.errors import ConfigError
-from runtime.llm import LLM, compute_dtype_name
+from runtime.llm import LLM
 
 SPELLINGS = [
     ("fp32", torch.float32),
