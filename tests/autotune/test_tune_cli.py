@@ -168,3 +168,38 @@ def test_joining_a_missing_study_is_one_line_and_creates_nothing(tmp_path, comma
     assert result.returncode == 2
     assert "study.storage" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_a_study_stops_when_its_space_is_measured(tmp_path, tiny_study_args, kvtune_cache):
+    # Two distinct policies (fp16/fp16 and fp16/fp8), a budget of four.
+    narrow = [
+        "search.layer_groups=1",
+        "search.k_dtype=[fp16]",
+        "search.v_dtype=[fp16,fp8]",
+        "search.group_size=[16]",
+        "search.scale_dtype=[fp16]",
+        "search.recent_unquantized=[0]",
+        "search.csa_ratio=[1]",
+        "search.block_size=[8]",
+    ]
+    result = run_kvtune(
+        "tune",
+        "study.name=narrow",
+        "study.n_trials=4",
+        *tiny_study_args,
+        *narrow,
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "study narrow: every distinct policy of the search space is measured (2 trials); "
+        "stopped short of study.n_trials=4"
+    ) in " ".join(result.stdout.split())
+    study = load(f"sqlite:///{tmp_path / 'studies' / 'narrow' / 'optuna.db'}", "narrow")
+    complete = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
+    pairs = sorted(
+        (t.user_attrs["policy"]["k_dtype"], t.user_attrs["policy"]["v_dtype"]) for t in complete
+    )
+    assert pairs == [("fp16", "fp16"), ("fp16", "fp8")]
