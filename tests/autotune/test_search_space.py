@@ -40,6 +40,19 @@ def space(**changes) -> SearchSpace:
     return SearchSpace(config, GROUPS, ARCH.num_layers)
 
 
+def valid_draws(search: SearchSpace, count: int, seed: int) -> list[KVPolicy]:
+    """count random draws of the space, each checked against the model."""
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=seed))
+    policies = []
+    for _ in range(count):
+        trial = study.ask()
+        policy = search.suggest(trial)
+        policy.check_model(ARCH)
+        policies.append(policy)
+        study.tell(trial, 0.0)
+    return policies
+
+
 def test_every_draw_is_a_valid_policy_for_the_model():
     search = space()
     study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=1))
@@ -128,14 +141,9 @@ def test_integer_dtypes_draw_valid_policies_with_group_and_fp16_scales():
         scale_dtype=["fp16"],
         rotation=["none", "hadamard"],
     )
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
     drawn = set()
-    for _ in range(100):
-        trial = study.ask()
-        policy = search.suggest(trial)
-        policy.check_model(ARCH)
+    for policy in valid_draws(search, 100, seed=2):
         drawn |= {d for pair in policy.layer_pairs(6) for d in pair} | {policy.rotation}
-        study.tell(trial, 0.0)
     assert {"int8", "int4", "int2", "none", "hadamard"} <= drawn
     assert search.policy(search.warm_starts()["baseline"]).layer_pairs(6) == [("fp16", "int4")] * 6
 
@@ -168,14 +176,7 @@ def test_channel_keys_are_searched_only_without_compression():
         space(k_scale_axis=["token", "channel"])
     search = space(k_scale_axis=["token", "channel"], csa_ratio=[1])
     assert search.distributions()["k_scale_axis"].choices == ("token", "channel")
-    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
-    axes = set()
-    for _ in range(100):
-        trial = study.ask()
-        policy = search.suggest(trial)
-        policy.check_model(ARCH)
-        axes.add(policy.k_scale_axis)
-        study.tell(trial, 0.0)
+    axes = {policy.k_scale_axis for policy in valid_draws(search, 100, seed=2)}
     assert axes == {"token", "channel"}
 
 

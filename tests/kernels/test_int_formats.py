@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kernels.kv_format import KVFormat
-from kernels.quantize import dequantize, dequantize_ref, quantize, quantize_ref
+from kernels.quantize import dequantize, quantize, quantize_ref
+from tests.kernels.test_quantize import assert_dequantize_matches_reference
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -52,11 +53,7 @@ def test_triton_matches_reference_bit_exact(fmt: KVFormat, head_dim: int, dtype)
     assert scales.dtype == torch.float16
     assert torch.equal(codes, codes_ref)
     assert torch.equal(scales.view(torch.uint8), scales_ref.view(torch.uint8))
-    for out_dtype in INPUT_DTYPES:
-        values = dequantize(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
-        values_ref = dequantize_ref(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
-        assert values.dtype == out_dtype
-        assert torch.equal(values.view(torch.uint8), values_ref.view(torch.uint8))
+    assert_dequantize_matches_reference(codes, scales, fmt, tensor_scale, head_dim)
 
 
 def _nearest_code(u: np.ndarray, top: int) -> np.ndarray:

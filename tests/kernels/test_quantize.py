@@ -71,6 +71,15 @@ def _cases(head_dims: tuple[int, ...]) -> list[tuple[KVFormat, int]]:
     ]
 
 
+def assert_dequantize_matches_reference(codes, scales, fmt, tensor_scale, head_dim) -> None:
+    """Triton dequantize == torch reference, bit for bit, into every output dtype."""
+    for out_dtype in INPUT_DTYPES:
+        values = dequantize(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
+        values_ref = dequantize_ref(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
+        assert values.dtype == out_dtype
+        assert torch.equal(values.view(torch.uint8), values_ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", INPUT_DTYPES)
 @pytest.mark.parametrize(("fmt", "head_dim"), _cases((64, 128, 96)), ids=str)
 def test_triton_matches_reference_bit_exact(fmt: KVFormat, head_dim: int, dtype) -> None:
@@ -86,11 +95,7 @@ def test_triton_matches_reference_bit_exact(fmt: KVFormat, head_dim: int, dtype)
         assert scales.shape == (3, 5, head_dim // fmt.group_size)
         assert scales.dtype == fmt.scale_torch_dtype
         assert torch.equal(scales.view(torch.uint8), scales_ref.view(torch.uint8))
-    for out_dtype in INPUT_DTYPES:
-        values = dequantize(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
-        values_ref = dequantize_ref(codes, scales, fmt, tensor_scale, head_dim, out_dtype)
-        assert values.dtype == out_dtype
-        assert torch.equal(values.view(torch.uint8), values_ref.view(torch.uint8))
+    assert_dequantize_matches_reference(codes, scales, fmt, tensor_scale, head_dim)
 
 
 def _independent_decode(codes: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
