@@ -27,7 +27,7 @@ from autotune.study.objectives import capacity_metrics
 from autotune.study.recipe import TuneSetup
 from autotune.study.results import TrialRecord, metric_table
 from runtime.arch import ModelArch
-from runtime.policy import PER_TENSOR, KVPolicy
+from runtime.policy import NO_ROTATION, PER_TENSOR, ZERO_POINT_DTYPES, KVPolicy
 
 EXACT = ("auto", "fp16", "bf16")
 VLLM_CUDA_MAX_BLOCK = 32
@@ -37,15 +37,16 @@ MIB = 1 << 20
 
 def layer_levels(policy: KVPolicy, num_layers: int) -> list[str]:
     """Per layer, the least precise format an engine may use for both K and V: auto when
-    either stream is exact, fp8 when either is fp8, fp4 when both are fp4."""
+    either stream is exact, fp4 when both are fp4, else fp8 (fp8, and the integer formats,
+    which no exported config stores: fp8 keeps at least their precision)."""
     levels = []
     for pair in policy.layer_pairs(num_layers):
         if any(d in EXACT for d in pair):
             levels.append("auto")
-        elif "fp8" in pair:
-            levels.append("fp8")
-        else:
+        elif all(d == "fp4" for d in pair):
             levels.append("fp4")
+        else:
+            levels.append("fp8")
     return levels
 
 
@@ -198,6 +199,14 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch) -> list[str]:
         gaps.append("different K and V dtypes in a layer (engines store K and V alike)")
     if len(set(pairs)) > 1:
         gaps.append("per-layer dtype mixtures beyond vLLM's skip list (SGLang: none at all)")
+    integer = sorted({d for pair in pairs for d in pair} & set(ZERO_POINT_DTYPES))
+    if integer:
+        gaps.append(
+            f"integer formats ({', '.join(integer)}: an fp16 scale and zero point per group of "
+            f"{policy.group_size}); exported as FP8"
+        )
+    if policy.rotation != NO_ROTATION:
+        gaps.append(f"the {policy.rotation} rotation of K and V (no exported config rotates)")
     if any("fp4" in pair for pair in pairs):
         gaps.append(
             f"FP4 with group_size={policy.group_size} and {policy.scale_dtype} scales "

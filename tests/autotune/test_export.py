@@ -8,6 +8,7 @@ import yaml
 from autotune.config.settings import DeviceSpec, ServeSettings, build_device, build_model_arch
 from autotune.config.workload import Workload
 from autotune.export.engines import (
+    _policy_gaps,
     compact_policy,
     engine_max_num_seqs,
     index_ranges,
@@ -103,6 +104,21 @@ def test_sglang_takes_the_most_precise_level_any_layer_needs():
     args = sglang_args(fp4, mapping, SERVE, max_running=64)
     assert {line.split()[0] for line in args} == SGLANG_OPTIONS
     assert "--page-size 16" in args and "--context-length 4096" in args
+
+
+def test_integer_layers_export_as_fp8_and_are_named_as_gaps():
+    policy = KVPolicy(
+        layer_dtypes=("int8/int8", "int4/fp4", "int2/int2", "fp16/int4"),
+        group_size=16,
+        rotation="hadamard",
+    )
+    assert layer_levels(policy, 4) == ["fp8", "fp8", "fp8", "auto"]
+    int4 = KVPolicy(k_dtype="int4", v_dtype="int4", group_size=16)
+    assert sglang_mapping(int4, ARCH).kv_cache_dtype == "fp8_e4m3"
+    assert vllm_mapping(int4, 4).kv_cache_dtype == "fp8_e4m3"
+    gaps = _policy_gaps(policy, ARCH)
+    assert any("int2, int4, int8" in gap and "group of 16" in gap for gap in gaps)
+    assert any("hadamard rotation" in gap for gap in gaps)
 
 
 def test_engine_configs_never_hold_less_precision_than_the_policy():
