@@ -3,9 +3,18 @@
 A live cache cannot rescale what it already wrote, so formats with one scale per tensor (fp8
 per-tensor, as vLLM) or with E4M3 group scales (NVFP4-style two-level scaling) need their tensor
 scale before the first write. vLLM's default is a scale of 1; kvtune measures the K and V
-magnitudes of each layer on a fixed calibration text instead (deterministic, independent of the
-workload) and leaves headroom for larger values. A format whose tensor_scale is "unit" (the
-engines' presets, conf/policy/vllm and conf/policy/sglang) keeps the scale 1 and skips this.
+magnitudes of each layer on a fixed calibration conversation instead: prose, numbers and order
+codes sent through the model's chat template, as a chat workload's prompts are (the template's
+special tokens and the first token carry the largest keys and values). A format whose
+tensor_scale is "unit" (the engines' presets, conf/policy/vllm and conf/policy/sglang) keeps the
+scale 1 and skips this.
+
+Headroom (values up to headroom x the calibrated maximum stay representable) is given where it
+is free and withheld where it costs precision: E4M3 elements and E4M3 group scales keep the same
+relative precision over their whole normal range, so 2x headroom only gives up part of the
+subnormal range and protects against clipping; a per-tensor fp4 code has eight magnitudes, so 2x
+headroom would leave the calibrated maximum at code 3 and waste the top two, and it gets none
+(larger values saturate at the largest code).
 """
 
 from __future__ import annotations
@@ -16,9 +25,9 @@ from kernels.kv_format import KVFormat
 from kernels.rotation import rotate
 from runtime.kv_bytes import LayerFormats
 from runtime.model import DecoderModel, DenseCausalAttention
+from runtime.tokenizer import Tokenizer
 
-# Values up to HEADROOM x the calibrated maximum stay representable.
-HEADROOM = 2.0
+FREE_HEADROOM = 2.0
 E4M3_MAX = 448.0
 CALIBRATION_TEXT = (
     "The cache of keys and values grows with every token a model reads. Long documents, "
@@ -26,6 +35,19 @@ CALIBRATION_TEXT = (
     "between a customer and an agent about order 48213-B, and questions about history, "
     "science and geography all pass through the same attention layers. "
 ) * 4
+CALIBRATION_REPLY = "Order 48213-B shipped on 2024-03-07; the refund of $129.99 is on its way."
+
+
+def calibration_token_ids(tokenizer: Tokenizer) -> list[int]:
+    """The calibration conversation as the model reads it: through its chat template when it
+    has one (a user turn and an assistant reply), else the plain text."""
+    if tokenizer.chat_template is None:
+        return tokenizer.encode(CALIBRATION_TEXT)
+    messages = [
+        {"role": "user", "content": CALIBRATION_TEXT},
+        {"role": "assistant", "content": CALIBRATION_REPLY},
+    ]
+    return tokenizer.encode_chat(messages, add_generation_prompt=False)
 
 
 def needs_tensor_scale(fmt: KVFormat) -> bool:
@@ -35,13 +57,20 @@ def needs_tensor_scale(fmt: KVFormat) -> bool:
     return fmt.quantized and scaled_by_tensor and fmt.tensor_scale == "calibrated"
 
 
+def headroom(fmt: KVFormat) -> float:
+    """Multiple of the calibrated maximum that stays representable (see the module docstring):
+    none for per-tensor fp4 codes, FREE_HEADROOM otherwise."""
+    per_tensor_fp4 = fmt.group_size is None and fmt.dtype == "fp4"
+    return 1.0 if per_tensor_fp4 else FREE_HEADROOM
+
+
 def tensor_scale(
     fmt: KVFormat, amax: float, device: torch.device | str = "cpu"
 ) -> torch.Tensor | None:
     """The fp32 scale for a stream whose largest magnitude is amax (None: not needed)."""
     if not needs_tensor_scale(fmt):
         return None
-    largest = amax * HEADROOM
+    largest = amax * headroom(fmt)
     if fmt.group_size is None:
         value = largest / fmt.max_code
     else:  # group scales in E4M3 must stay <= 448 after dividing by the tensor scale

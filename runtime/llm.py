@@ -16,7 +16,7 @@ import torch
 
 from runtime.arch import arch_from_folder
 from runtime.backends import cache_ops
-from runtime.calibration import CALIBRATION_TEXT, calibrate_tensor_scales
+from runtime.calibration import calibrate_tensor_scales, calibration_token_ids
 from runtime.dtypes import DTYPE_NAMES, compute_dtype_name
 from runtime.engine import Engine, EngineConfig, pool_sizes
 from runtime.errors import ConfigError
@@ -112,7 +112,7 @@ class LLM:
         """Calibrated tensor scales, pools and scheduler for self.policy over the loaded model."""
         scales = calibrate_tensor_scales(
             self.model,
-            self.tokenizer.encode(CALIBRATION_TEXT),
+            calibration_token_ids(self.tokenizer),
             layer_formats(self.arch, self.policy),
             layer_rotations(self.arch, self.policy, self.device),
         )

@@ -11,7 +11,7 @@ from kernels.quantize import dequantize_ref, quantize_ref
 from kernels.rotation import rotation_matrix
 from runtime import LLM
 from runtime.block_manager import MAIN
-from runtime.calibration import CALIBRATION_TEXT, HEADROOM
+from runtime.calibration import FREE_HEADROOM, calibration_token_ids
 from runtime.kv_bytes import layer_formats
 from runtime.model import DenseCausalAttention
 from runtime.policy import KVPolicy
@@ -74,13 +74,13 @@ def test_triton_backend_agrees_with_torch_on_a_rotated_compressed_cache(tiny_lla
 
 
 def test_tensor_scales_are_calibrated_on_the_rotated_vectors_the_cache_stores(tiny_llama):
-    """fp8 per tensor: scale = HEADROOM * amax / 448 of each layer's rotated K and V on the
+    """fp8 per tensor: scale = FREE_HEADROOM * amax / 448 of each layer's rotated K and V on the
     calibration text (rotation changes the amax, so the unrotated one would clip or waste)."""
     policy = KVPolicy(
         "fp8", "fp8", group_size="tensor", rotation="hadamard", block_size=8, chunk_size=16
     )
     llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
-    ids = torch.tensor(llm.tokenizer.encode(CALIBRATION_TEXT))
+    ids = torch.tensor(calibration_token_ids(llm.tokenizer))
     dense = DenseCausalAttention([len(ids)])
     rotated_amax = {}
 
@@ -94,6 +94,6 @@ def test_tensor_scales_are_calibrated_on_the_rotated_vectors_the_cache_stores(ti
     plain = LLM(str(tiny_llama), policy=policy.replace(rotation="none"), max_model_len=64)
     for layer, pools in enumerate(llm.engine.cache.layers):
         for pool, amax in zip((pools.k[MAIN], pools.v[MAIN]), rotated_amax[layer], strict=True):
-            assert pool.tensor_scale.item() == pytest.approx(HEADROOM * amax / 448, rel=1e-6)
+            assert pool.tensor_scale.item() == pytest.approx(FREE_HEADROOM * amax / 448, rel=1e-6)
         plain_scale = plain.engine.cache.layers[layer].k[MAIN].tensor_scale
         assert plain_scale.item() != pytest.approx(pools.k[MAIN].tensor_scale.item(), rel=1e-3)
