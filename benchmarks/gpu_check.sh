@@ -90,9 +90,13 @@ stage() {
         [ -d "$folder" ] || continue
         stamp=$site/.wheels-$(ls "$folder" | sha256sum | cut -c1-16)
         [ -f "$stamp" ] && continue
-        "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$site" "$folder"*.whl && touch "$stamp" &&
+        if "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+            --upgrade --target "$site" "$folder"*.whl; then
+            touch "$stamp"
             note "stage: installed $(ls "$folder" | wc -l) wheels of $folder"
+        else
+            note "stage: installing the wheels of $folder failed (pip's message above)"
+        fi
     done
     "$python" scripts/gpu_model_shards.py assemble --root "$carry" --site "$site" |
         tee -a "$summary"
@@ -138,9 +142,9 @@ if [ "$mode" = --smoke ]; then
 else
     workers=()
     have xdist && workers=(-n 8)
-    KVTUNE_TEST_DEVICE=cuda part "kernel tests on cuda" 150 tests.txt \
+    KVTUNE_TEST_DEVICE=cuda part "kernel tests on cuda" 120 tests.txt \
         "$python" -m pytest -q -p no:cacheprovider "${workers[@]}" tests/kernels
-    KVTUNE_TEST_DEVICE=cuda part "engine tests on cuda" 90 tests.txt \
+    KVTUNE_TEST_DEVICE=cuda part "engine tests on cuda" 60 tests.txt \
         "$python" -m pytest -q -p no:cacheprovider tests/runtime/test_engine_device.py
 fi
 
@@ -151,9 +155,9 @@ if [ "$mode" = --smoke ]; then
     part "decode benchmark (cpu)" 30 kernels.txt "$python" -m benchmarks.kernels --device cpu \
         --smoke
 else
-    part "dot precision" 120 dot_precision.txt \
+    part "dot precision" 90 dot_precision.txt \
         "$python" -m benchmarks.dot_precision --device cuda --engine
-    part "decode benchmark" 120 kernels.txt "$python" -m benchmarks.kernels --device cuda
+    part "decode benchmark" 90 kernels.txt "$python" -m benchmarks.kernels --device cuda
 fi
 
 # --- embedded model: serving, retention A/B, study ----------------------------------------------
@@ -166,7 +170,8 @@ if [ "$mode" = --smoke ]; then
     part "serving (smoke)" 60 serving.txt "$python" -m benchmarks.serving --device cpu \
         --requests 1 --prompt-median 32 --output-median 4 --budget-sequences 12 --policies fp8
 else
-    part "serving" 60 serving.txt "$python" -m benchmarks.serving --device cuda
+    # The trace replays in real time: 24 requests at 2/s, ~12 s a policy, 4 policies.
+    part "serving" 100 serving.txt "$python" -m benchmarks.serving --device cuda
 fi
 if ! have optuna || ! have hydra || ! have mlflow || ! have lm_eval; then
     note "retention, study: skipped, optuna / hydra / mlflow / lm-eval missing (call 1's wheels)"
@@ -183,7 +188,7 @@ if [ "$mode" = --smoke ]; then # compose the configs only: the runs take minutes
     exit 0
 fi
 for backend in triton triton_tf32; do
-    part "retention $backend" 90 study.txt "${kvtune[@]}" evaluate "${policy[@]}" \
+    part "retention $backend" 80 study.txt "${kvtune[@]}" evaluate "${policy[@]}" \
         eval.backend=$backend eval.device=cuda format=json
 done
 (cd "$workdir" && part "study" 300 study.txt "${kvtune[@]}" tune "${study[@]}")
