@@ -246,7 +246,7 @@ def test_triton_backend_agrees_with_torch(tiny_llama, policy):
         ({"policy": {"k_dtype": "fp8", "group_size": 12}}, "policy.group_size"),
         ({"backend": "cuda-graphs"}, "backend"),
         ({"kv_budget_bytes": 1000}, "kv_budget_bytes"),
-        ({"dtype": "int8"}, "model.dtype"),
+        ({"dtype": "int8"}, "dtype"),
         ({"gpu_memory_utilization": 0.9}, "gpu_memory_utilization"),
     ],
 )
