@@ -1,0 +1,155 @@
+"""Every KV format and engine preset on the accuracy suites: bytes against fp16, retention on the
+trial suite and on held-out seeds, KL and greedy exact-match retention.
+
+Issue 11's targets are read off this table: a policy at <= 0.30 of fp16 bytes with held-out
+retention >= 0.95 (exact match >= 0.97), one at <= 0.22 with >= 0.90, and, at equal bytes
+(within 5%), tuned policies against every engine preset. Results are cached like the validity
+benchmark's (content-keyed: model, suite, policy, evaluation code), so reruns and interrupted
+runs are cheap.
+
+    .venv/bin/python -m benchmarks.formats [--cheap quick] [--heldout heldout]
+        [--heldout-seeds 1,2] [--policies "fp8 g32,..."] [--presets] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from autotune.cache import JsonCache, default_cache_folder
+from autotune.evaluation import load_suite
+from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
+from runtime.arch import ModelArch, arch_from_folder
+from runtime.kv_bytes import kv_bytes_per_sequence
+from runtime.model_source import resolve_model
+from runtime.policy import KVPolicy
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
+FP16 = KVPolicy("fp16", "fp16")
+
+# kvtune's own formats, from the 8-bit baselines down to about 3 bits a value.
+POLICIES: dict[str, KVPolicy] = {
+    "fp8 g32": KVPolicy("fp8", "fp8"),
+    "K fp8 / V fp4 g32": KVPolicy("fp8", "fp4"),
+    "int8 g32": KVPolicy("int8", "int8"),
+    "fp4 g16 e4m3": KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3"),
+    "fp4 g16 e4m3 rotated": KVPolicy(
+        "fp4", "fp4", group_size=16, scale_dtype="e4m3", rotation="hadamard"
+    ),
+    "int4 g32": KVPolicy("int4", "int4"),
+    "int4 g32 rotated": KVPolicy("int4", "int4", rotation="hadamard"),
+    "fp4 e4m3 K channel / V g16": KVPolicy(
+        "fp4", "fp4", group_size=16, scale_dtype="e4m3", k_scale_axis="channel"
+    ),
+    "fp4 e4m3 K channel / V g16 rotated": KVPolicy(
+        "fp4", "fp4", group_size=16, scale_dtype="e4m3", k_scale_axis="channel", rotation="hadamard"
+    ),
+    "int4 K channel / V g16": KVPolicy("int4", "int4", group_size=16, k_scale_axis="channel"),
+    "K fp4 channel / V int2 g64 rotated": KVPolicy(
+        "fp4",
+        "int2",
+        group_size=64,
+        k_scale_axis="channel",
+        rotation="hadamard",
+    ),
+    "K int4 channel / V int2 g32 rotated": KVPolicy(
+        "int4", "int2", group_size=32, k_scale_axis="channel", rotation="hadamard"
+    ),
+}
+
+
+def engine_presets() -> dict[str, KVPolicy]:
+    """conf/policy/<engine>/<dtype>.yaml, each a plain policy mapping."""
+    presets = {}
+    for path in sorted(PRESET_DIR.glob("*/*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        presets[f"{path.parent.name}/{path.stem}"] = KVPolicy.from_dict(data)
+    return presets
+
+
+def bytes_ratio(arch: ModelArch, policy: KVPolicy, tokens: int) -> float:
+    """Device bytes of one sequence of `tokens` tokens relative to the fp16 cache."""
+    return kv_bytes_per_sequence(arch, policy, tokens) / kv_bytes_per_sequence(arch, FP16, tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cheap", default="quick", help="the suite a trial pays for")
+    parser.add_argument("--heldout", default="heldout", help="preset name or YAML path")
+    parser.add_argument(
+        "--heldout-seeds", default="1,2", help="comma-separated seeds ('' = trial suite only)"
+    )
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names")
+    parser.add_argument("--presets", action="store_true", help="add conf/policy/<engine>/*")
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    args = parser.parse_args()
+    candidates = {name: POLICIES[name.strip()] for name in args.policies.split(",") if name}
+    if args.presets:
+        candidates.update(engine_presets())
+    cheap = load_suite(args.cheap)
+    seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
+    heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
+    arch = arch_from_folder(resolve_model(cheap.model))
+    console = Console()
+    cache = JsonCache(default_cache_folder("eval-validity"))
+    rows = []
+    for name, policy in candidates.items():
+        started = time.perf_counter()
+        quick = cached_evaluate(policy, cheap, cache)
+        held = mean_result([cached_evaluate(policy, s, cache) for s in heldouts]) if seeds else None
+        ratio = bytes_ratio(arch, policy, cheap.context_tokens)
+        rows.append((name, ratio, quick, held))
+        console.log(
+            f"{name}: bytes {ratio:.3f}, {cheap.name} {fmt(quick['accuracy_retention'])}, "
+            f"held out {fmt(held['accuracy_retention']) if held else '-'} "
+            f"({time.perf_counter() - started:.0f} s)"
+        )
+    print_table(args.markdown, cheap.name, rows, console)
+
+
+def print_table(markdown: bool, cheap_name: str, rows: list, console: Console) -> None:
+    """Rows sorted by bytes; without held-out seeds the KL and exact-match columns are the
+    trial suite's."""
+    no_heldout = all(held is None for *_, held in rows)
+    headers = [
+        "policy",
+        "bytes / fp16",
+        f"{cheap_name} retention",
+        "held-out retention",
+        "held-out KL",
+        "held-out exact-match retention",
+    ]
+    headers[4:] = [f"{h} ({cheap_name})" if no_heldout else h for h in headers[4:]]
+    lines = [
+        [
+            name,
+            f"{ratio:.3f}",
+            f"{fmt(quick['accuracy_retention'])} ± {fmt(quick['accuracy_retention_stderr'])}",
+            f"{fmt(shown['accuracy_retention'])} ± {fmt(shown['accuracy_retention_stderr'])}"
+            if held
+            else "-",
+            fmt(shown["kl"], 4),
+            fmt(shown["exact_match_retention"]),
+        ]
+        for name, ratio, quick, held in sorted(rows, key=lambda row: row[1])
+        for shown in [held or quick]
+    ]
+    if markdown:
+        print("| " + " | ".join(headers) + " |")
+        print("|" + "---|" * len(headers))
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+        return
+    table = Table(*headers)
+    for line in lines:
+        table.add_row(*line)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
