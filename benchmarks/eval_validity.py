@@ -31,16 +31,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cache import (
-    ACCURACY_CODE,
-    JsonCache,
-    code_fingerprint,
-    default_cache_folder,
-    model_fingerprint,
-)
+from autotune.cache import ACCURACY_CODE, JsonCache, default_cache_folder
 from autotune.evaluation import EvalSuite, evaluate, load_suite
 from autotune.evaluation.baseline_cache import suite_content_fingerprint
 from autotune.evaluation.evaluator import eval_cache_dir
+from runtime.fingerprint import code_fingerprint, model_fingerprint
 from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
 

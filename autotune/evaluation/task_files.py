@@ -23,13 +23,21 @@ import yaml
 from autotune.evaluation.suite import EvalSuite
 from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS, GenContext
 from autotune.evaluation.tasks.needle_greedy import MAX_GEN_TOKENS, STOP
+from runtime.fingerprint import code_fingerprint
 from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 TASK_PREFIX = "kvtune_"
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1  # bump when the generators change what they write
+# The code that writes a suite's task files: their folder is named by its fingerprint, so a
+# changed generator writes new files instead of reusing old ones.
+GENERATOR_CODE = (
+    "autotune.evaluation.tasks",
+    "autotune.evaluation.task_files",
+    "autotune.evaluation.haystack",
+)
+LM_EVAL_TASK_VERSION = 1  # lm-eval's per-task version field (reported, not a cache key)
 
 QA_METRICS = [
     {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
@@ -107,7 +115,7 @@ def task_yaml(name: str, kind: str, data_file: Path) -> dict[str, Any]:
         }
     else:
         raise ValueError(kind)
-    return config | {"metadata": {"version": FORMAT_VERSION}}
+    return config | {"metadata": {"version": LM_EVAL_TASK_VERSION}}
 
 
 def request_tokens(kind: str, row: dict[str, Any], tokenizer: Tokenizer) -> int:
@@ -157,7 +165,7 @@ def write_folder(path: Path, suite: EvalSuite, tokenizer: Tokenizer) -> None:
 
 def task_folder(suite: EvalSuite, tokenizer: Tokenizer, root: Path) -> TaskFolder:
     """The suite's task folder under root, written on first use."""
-    path = root / "tasks" / f"{suite.data_fingerprint()}-v{FORMAT_VERSION}"
+    path = root / "tasks" / f"{suite.data_fingerprint()}-{code_fingerprint(*GENERATOR_CODE)}"
     if not (path / MANIFEST).is_file():
         logger.info("writing the %s suite's tasks to %s", suite.name, path)
         write_folder(path, suite, tokenizer)

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from autotune.cache import JsonCache, code_fingerprint, model_fingerprint
+from autotune.cache import JsonCache
 from runtime.arch import ModelArch
+from runtime.fingerprint import code_fingerprint, model_fingerprint
 from runtime.llm import LLM
 from runtime.policy import KVPolicy
 from runtime.tokenizer import Tokenizer

@@ -26,14 +26,7 @@ from typing import Any
 
 import torch
 
-from autotune.cache import (
-    ACCURACY_CODE,
-    LATENCY_CODE,
-    JsonCache,
-    code_fingerprint,
-    machine_fingerprint,
-    model_fingerprint,
-)
+from autotune.cache import ACCURACY_CODE, LATENCY_CODE, JsonCache, machine_fingerprint
 from autotune.config.settings import DeviceSpec, ServeSettings
 from autotune.config.workload import Workload
 from autotune.evaluation import evaluate, load_suite
@@ -44,6 +37,7 @@ from autotune.search.sensitivity import RuntimeSettings
 from autotune.study.latency import measure_latency
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
+from runtime.fingerprint import code_fingerprint, model_fingerprint
 from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
 from runtime.llm import LLM
 from runtime.policy import KVPolicy

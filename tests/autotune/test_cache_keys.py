@@ -12,7 +12,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from autotune.cache import JsonCache, key_digest, model_fingerprint, source_fingerprint
+from autotune.cache import JsonCache, key_digest
 from autotune.config.settings import DeviceSpec, ServeSettings
 from autotune.config.workload import Workload
 from autotune.evaluation import load_suite
@@ -25,6 +25,7 @@ from benchmarks.eval_validity import validity_key
 from benchmarks.search_efficiency import fidelity_key
 from runtime import KVPolicy
 from runtime.arch import arch_from_folder
+from runtime.fingerprint import model_fingerprint, source_fingerprint
 from runtime.tokenizer import Tokenizer
 from tests.autotune.conftest import TINY_PRESETS
 

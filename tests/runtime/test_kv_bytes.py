@@ -151,4 +151,3 @@ def test_mla_caches_one_latent_a_token_and_layer():
     fp4 = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=64, scale_dtype="e4m3")
     assert kv_bytes_per_token(DSV3, fp4) == 61 * (288 + 9)
     assert kv_bytes_per_sequence(DSV3, KVPolicy(), 4096) == 4096 * 61 * 576 * 2
-
