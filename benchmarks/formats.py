@@ -50,6 +50,15 @@ POLICIES: dict[str, KVPolicy] = {
         "fp4", "fp4", group_size=16, scale_dtype="e4m3", k_scale_axis="channel", rotation="hadamard"
     ),
     "int4 K channel / V g16": KVPolicy("int4", "int4", group_size=16, k_scale_axis="channel"),
+    "int4 K channel / V g16 rotated": KVPolicy(
+        "int4", "int4", group_size=16, k_scale_axis="channel", rotation="hadamard"
+    ),
+    "int4 K channel / V g64 rotated": KVPolicy(
+        "int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard"
+    ),
+    "int4 K channel b32 / V g64 rotated": KVPolicy(
+        "int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32
+    ),
     "K fp4 channel / V int2 g64 rotated": KVPolicy(
         "fp4",
         "int2",

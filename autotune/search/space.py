@@ -276,7 +276,10 @@ class SearchSpace:
 
         baseline: the most precise dtype everywhere, no compression; all-fp8; fp4 in the
         shallow half of the layers (by group mean depth) with fp8 in the deep half; K fp8 with
-        V fp4. Other knobs take the KVPolicy default where it is a candidate, else the first.
+        V fp4; int4 with per-channel keys over 32-token blocks, values in groups of 64, both
+        Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py). Other knobs take the
+        KVPolicy default where it is a candidate, else the first; a start whose own knob values
+        are not candidates is left out.
         """
         distributions = self.distributions()
         fixed = {
@@ -295,10 +298,22 @@ class SearchSpace:
                 ("fp4", "fp4") if d < median_depth else ("fp8", "fp8") for d in depth
             ],
             "k-fp8-v-fp4": [("fp8", "fp4")] * len(self.groups),
+            "int4-k-channel-rotated": [("int4", "int4")] * len(self.groups),
+        }
+        own_knobs = {
+            "int4-k-channel-rotated": {
+                "k_scale_axis": "channel",
+                "rotation": "hadamard",
+                "group_size": 64,
+                "block_size": 32,
+            }
         }
         starts = {}
         for name, layout in layouts.items():
-            params = dict(fixed)
+            knobs = own_knobs.get(name, {})
+            if any(value not in self.config.knobs[knob] for knob, value in knobs.items()):
+                continue
+            params = {**fixed, **knobs}
             for index, (k, v) in enumerate(layout):
                 params[f"k_dtype_g{index}"] = k
                 params[f"v_dtype_g{index}"] = v

@@ -187,3 +187,23 @@ def test_canonical_drops_a_key_scale_axis_that_no_key_uses():
     assert canonical(no_values) == canonical(no_values.replace(group_size=32))
     both = KVPolicy(k_dtype="fp4", v_dtype="fp4", k_scale_axis="channel", group_size=16)
     assert canonical(both).k_scale_axis == "channel" and canonical(both).group_size == 16
+
+
+def test_the_int4_start_needs_every_knob_it_sets():
+    knobs = dict(
+        k_dtype=["fp16", "fp8", "int4"],
+        v_dtype=["fp16", "fp8", "int4"],
+        group_size=[32, 64],
+        scale_dtype=["fp16"],
+        k_scale_axis=["token", "channel"],
+        rotation=["none", "hadamard"],
+        csa_ratio=[1],
+        block_size=[16, 32],
+    )
+    search = space(**knobs)
+    policy = search.policy(search.warm_starts()["int4-k-channel-rotated"])
+    expected = KVPolicy(
+        "int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32
+    )
+    assert policy == canonical(expected.replace(chunk_size=policy.chunk_size))
+    assert "int4-k-channel-rotated" not in space(**{**knobs, "rotation": ["none"]}).warm_starts()
