@@ -163,6 +163,14 @@ def run_study(
         records, front, setup.objectives, policies, yaml.safe_dump(setup.recipe, sort_keys=False)
     )
     render_front(console, settings.name, records, front, setup.arch.num_layers)
+    # MLflow 3.17's UI opens an experiment in its GenAI view whatever its tags say; this address
+    # opens the runs table ("Model training") where the trials are.
+    console.print(
+        f"MLflow: mlflow ui --backend-store-uri {services.tracking_uri}, then "
+        f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}"
+        "?workflowType=machine_learning",
+        soft_wrap=True,
+    )
 
 
 def swept_keys(argv: Sequence[str]) -> list[str]:

@@ -47,6 +47,8 @@ def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cach
     assert all("accuracy_retention" in r.data.metrics for r in runs)
     assert {r.data.tags["pareto"] for r in runs} <= {"true", "false"}
     assert any(r.data.tags["pareto"] == "true" for r in runs)
+    runs_table = f"#/experiments/{experiment.experiment_id}?workflowType=machine_learning"
+    assert runs_table in result.stdout  # where the trials are in MLflow 3.17's UI
     parent = client.search_runs([experiment.experiment_id], "tags.`kvtune.kind` = 'invocation'")
     artifacts = {a.path for a in client.list_artifacts(parent[0].info.run_id)}
     assert {"pareto_front.png", "pareto_front.html", "trials.csv"} <= artifacts
