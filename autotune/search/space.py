@@ -164,13 +164,6 @@ class SearchConfig:
             K_SCALE_AXES.__contains__,
             f"one of {', '.join(K_SCALE_AXES)}",
         )
-        if "channel" in k["k_scale_axis"] and max(k["csa_ratio"]) > 1:
-            raise ConfigError(
-                _field("k_scale_axis"),
-                list(k["k_scale_axis"]),
-                "[token] while csa_ratio has candidates > 1 (per-channel keys need uncompressed "
-                "policies), or csa_ratio: [1]",
-            )
         _check_each(
             "rotation",
             k["rotation"],
@@ -202,6 +195,13 @@ class SearchConfig:
             )
         else:
             _check_each("csa_window", k["csa_window"], lambda w: _is_int(w, 0), "integers >= 0")
+        if "channel" in k["k_scale_axis"] and max(k["csa_ratio"]) > 1:
+            raise ConfigError(
+                _field("k_scale_axis"),
+                list(k["k_scale_axis"]),
+                "[token] while csa_ratio has candidates > 1 (per-channel keys need uncompressed "
+                "policies), or csa_ratio: [1]",
+            )
         _check_each(
             "chunk_size",
             k["chunk_size"],

@@ -397,4 +397,5 @@ def test_a_user_sees_the_study_in_both_dashboards(served, tmp_path, capsys):
     check_optuna_dashboard(served, browser)
 
     served.dashboard.send_signal(signal.SIGINT)  # Ctrl-C
-    assert served.dashboard.wait(timeout=30) == 0
+    # A loaded 2-core machine took over 30 s to unwind the server; what counts is a clean exit.
+    assert served.dashboard.wait(timeout=180) == 0

@@ -142,11 +142,11 @@ def test_table_output_is_readable():
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("policy.k_dtype=int4", "policy.k_dtype"),
+        ("policy.k_dtype=int3", "policy.k_dtype"),
         ("policy.chunk_size=100", "policy.chunk_size"),
         ("policy.k_dtype=fp8 policy.group_size=48", "policy.group_size"),
         ("policy.csa_ratio=3", "policy.csa_ratio"),
-        ("policy.scale_dtype=fp32", "policy.scale_dtype"),
+        ("policy.scale_dtype=fp64", "policy.scale_dtype"),
         ("policy.layer_dtypes=[fp8/fp4]", "policy.layer_dtypes"),
         ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization"),
         ("model.num_kv_heads=4", "model.num_kv_heads"),
