@@ -42,3 +42,15 @@ def test_a_terminal_gets_the_live_bar(tmp_path):
     console = Console(file=io.StringIO(), force_terminal=True)
     with trial_reporter(console, study, 2) as report:
         assert isinstance(report, ProgressCallback)
+
+
+def test_the_policy_label_names_every_format_lever():
+    from autotune.cli.report import policy_label
+    from autotune.study.results import TrialRecord
+    from runtime.policy import KVPolicy
+
+    policy = KVPolicy(
+        "int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32
+    )
+    record = TrialRecord(4, "COMPLETE", policy, {}, True, None, None)
+    assert policy_label(record, 30) == "int4/int4 x30 g64/fp16 K-channel hadamard b32 c512"
