@@ -31,9 +31,11 @@ MAX_PORT = 65535
 
 
 class ThreadingServer(ThreadingMixIn, WSGIServer):
-    """wsgiref's server, one thread a request; threads end with the process."""
+    """wsgiref's server, one thread a request; threads end with the process. Closing does not
+    join them: a browser's idle pre-opened connection would keep Ctrl-C from ever exiting."""
 
     daemon_threads = True
+    block_on_close = False
 
 
 class QuietHandler(WSGIRequestHandler):

@@ -262,10 +262,12 @@ def test_two_workers_on_one_storage_never_measure_a_policy_twice(tmp_path):
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    assert len(measure.policies) == len(set(measure.policies)) == 6
+    # No policy twice. The budget is checked before each trial, so two workers that both see
+    # 5 counted may both start one more (as with Optuna's own MaxTrialsCallback): 6 or 7.
+    assert len(measure.policies) == len(set(measure.policies)) in (6, 7)
     assert set(measure.policies) <= DISTINCT
     _, study = new_study(tmp_path)
-    assert len(trial_records(study)) == 6
+    assert len(trial_records(study)) == len(measure.policies)
 
 
 def test_repeats_in_an_older_study_are_listed_once(tmp_path):
