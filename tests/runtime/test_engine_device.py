@@ -18,24 +18,14 @@ import pytest
 from runtime import LLM
 from runtime.policy import KVPolicy
 from tests.conftest import TEST_DEVICE
-from tests.runtime.test_engine import random_tokens, relative_error
+from tests.runtime.test_engine import TRITON_POLICIES, random_tokens, relative_error
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="KVTUNE_TEST_DEVICE=cuda only")
 
 LOGITS_TOLERANCE = {"triton": 1e-4, "triton_tf32": 5e-3}
 POLICIES = {
     "fp16": KVPolicy("fp16", "fp16", block_size=8, chunk_size=16),
-    "fp8-fp4-csa": KVPolicy(
-        "fp8",
-        "fp4",
-        group_size=16,
-        csa_ratio=2,
-        csa_window=16,
-        csa_sinks=4,
-        recent_unquantized=8,
-        block_size=8,
-        chunk_size=16,
-    ),
+    "fp8-fp4-csa": TRITON_POLICIES[0],
 }
 
 
