@@ -1,9 +1,9 @@
 """Does the cheap suite rank policies as a larger held-out one does, above all where the tuner
 decides (held-out retention >= 0.9, constraints.min_retention)?
 
-For 29 policies across the space (the first 16 meant for the decision region: fp8 at group
+For 25 policies across the space (the first 14 meant for the decision region: fp8 at group
 sizes and per tensor, K fp8 / V fp4 at g16/g32/g64, recent windows, per-layer mixes; then
-int8, int4 with and without a Hadamard rotation, fp4, CSA and per-tensor fp4), each policy's
+int8, int4 with and without a Hadamard rotation and per-channel keys, fp4, CSA and per-tensor fp4), each policy's
 accuracy retention on the default `quick` suite is compared with its mean retention over
 held-out seeds of the `heldout` preset (other documents and needles, 1.5x the context, more
 haystacks; `--heldout-seeds 1,2`). Reported:
@@ -62,8 +62,6 @@ POLICIES: dict[str, KVPolicy] = {
     "K fp16 / V fp8": KVPolicy("fp16", "fp8", group_size=32),
     "K fp8 / V fp4 g16": KVPolicy("fp8", "fp4", group_size=16, scale_dtype="e4m3"),
     "K fp8 / V fp4 g32": KVPolicy("fp8", "fp4", group_size=32),
-    "K fp8 / V fp4 g64": KVPolicy("fp8", "fp4", group_size=64),
-    "K fp16 / V fp4 g32": KVPolicy("fp16", "fp4", group_size=32),
     "K fp8 / V fp4 g32 + recent 128": KVPolicy("fp8", "fp4", group_size=32, recent_unquantized=128),
     "fp8 outer, K fp8 / V fp4 inner": KVPolicy(
         "fp8", "fp4", layer_dtypes=_mixed("fp8/fp8", "fp8/fp4"), group_size=32
@@ -78,14 +76,14 @@ POLICIES: dict[str, KVPolicy] = {
     "K int8 / V int4 g32": KVPolicy("int8", "int4", group_size=32),
     "int4 g32 + hadamard": KVPolicy("int4", "int4", group_size=32, rotation="hadamard"),
     "int4 g32": KVPolicy("int4", "int4", group_size=32),
+    "int4 K channel b16 / V g32 + hadamard": KVPolicy(
+        "int4", "int4", group_size=32, rotation="hadamard", k_scale_axis="channel"
+    ),
+    "int4 K channel b32 / V g64 + hadamard": KVPolicy(
+        "int4", "int4", group_size=64, rotation="hadamard", k_scale_axis="channel", block_size=32
+    ),
     "fp8 + csa4": KVPolicy("fp8", "fp8", group_size="tensor", csa_ratio=4, csa_window=256),
     "fp4 g16 e4m3": KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3"),
-    "fp4 g16 + recent 256": KVPolicy(
-        "fp4", "fp4", group_size=16, scale_dtype="e4m3", recent_unquantized=256
-    ),
-    "fp4 g32": KVPolicy("fp4", "fp4", group_size=32),
-    "K fp4 g16 / V fp8": KVPolicy("fp4", "fp8", group_size=16, scale_dtype="e4m3"),
-    "fp4 g64": KVPolicy("fp4", "fp4", group_size=64),
     "fp16 + csa8 w128": KVPolicy("fp16", "fp16", csa_ratio=8, csa_window=128, csa_sinks=16),
     "fp4 g16 + csa4": KVPolicy(
         "fp4", "fp4", group_size=16, scale_dtype="e4m3", csa_ratio=4, csa_window=256
