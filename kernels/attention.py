@@ -53,6 +53,9 @@ class PagedStream:
         forms, each shown to the positions that decode would show it to, so every position
         sees exactly the cache of a decode step there. Decode ignores lifetimes: its cache is
         already in that state.
+    query_mask: bool [num packed queries, >= longest length], or None: which vectors each
+        query may see besides the rules above (CSA selection: a query reads the exact form of
+        the blocks it selected and the summaries of the others). Torch backend only for now.
     """
 
     k: KVPool
@@ -64,6 +67,7 @@ class PagedStream:
     logit_bias: float = 0.0
     shown_from: int | None = None
     hidden_from: int | None = None
+    query_mask: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_table", "lengths", "start_positions"):
@@ -80,6 +84,11 @@ class PagedStream:
                 )
         if self.position_stride < 1:
             raise ValueError(f"position_stride={self.position_stride}: must be >= 1")
+        mask = self.query_mask
+        if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2):
+            raise ValueError(
+                f"query_mask: must be a 2-D bool tensor, got {mask.dtype} {mask.dim()}-D"
+            )
         k_layout = (*self.k.codes.shape[:3], self.k.head_dim)
         v_layout = (*self.v.codes.shape[:3], self.v.head_dim)
         if k_layout != v_layout:

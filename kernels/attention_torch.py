@@ -26,9 +26,10 @@ def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...
     block [B, L] (for the stream's lifetime rule) and validity [B, L]."""
     device = stream.block_table.device
     num_blocks = -(-max_len // stream.block_size)
-    table = stream.block_table[:, :num_blocks].clamp(min=0)
-    keys = read_blocks_ref(stream.k, table)[:, :max_len]
-    values = read_blocks_ref(stream.v, table)[:, :max_len]
+    # A host-tier pool may live off the device: read it where it is, attend on the device.
+    table = stream.block_table[:, :num_blocks].clamp(min=0).to(stream.k.codes.device)
+    keys = read_blocks_ref(stream.k, table)[:, :max_len].to(device)
+    values = read_blocks_ref(stream.v, table)[:, :max_len].to(device)
     index = torch.arange(max_len, device=device)
     valid = index[None, :] < stream.lengths.long()[:, None]
     padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
@@ -45,7 +46,7 @@ def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...
 
 
 @dataclass(frozen=True)
-class _QueryGroup:
+class QueryGroup:
     """Sequences with the same number of queries, attended in one batched call: a decode step's
     sequences share one group and each prefill chunk length another, so no sequence pays for a
     longer one's queries (padding every sequence to the longest chunk made a mixed step cost
@@ -56,7 +57,7 @@ class _QueryGroup:
 
 
 @dataclass(frozen=True)
-class _GroupKeys:
+class GroupKeys:
     """One stream's vectors for a query group, gathered dense, and which query sees which."""
 
     keys: torch.Tensor  # fp32 [S, L, Hkv, D]
@@ -64,7 +65,7 @@ class _GroupKeys:
     visible: torch.Tensor  # bool [S, C, L]
 
 
-def _query_groups(q_seq_starts: torch.Tensor) -> list[_QueryGroup]:
+def query_groups(q_seq_starts: torch.Tensor) -> list[QueryGroup]:
     starts = q_seq_starts.long()
     counts = starts[1:] - starts[:-1]
     groups = []
@@ -73,17 +74,18 @@ def _query_groups(q_seq_starts: torch.Tensor) -> list[_QueryGroup]:
             continue
         seqs = torch.nonzero(counts == count).flatten()
         offsets = torch.arange(count, device=starts.device)
-        groups.append(_QueryGroup(seqs, starts[seqs][:, None] + offsets[None, :]))
+        groups.append(QueryGroup(seqs, starts[seqs][:, None] + offsets[None, :]))
     return groups
 
 
-def _group_keys(
-    stream: PagedStream, group: _QueryGroup, q_positions: torch.Tensor | None
-) -> _GroupKeys | None:
+def group_keys(
+    stream: PagedStream, group: QueryGroup, q_positions: torch.Tensor | None
+) -> GroupKeys | None:
     """The group's view of a stream (None when none of its sequences stores a vector there).
 
     Visible: every valid key without query positions (decode: the query follows every key),
-    else the keys whose position the query has reached and whose lifetime covers it."""
+    else the keys whose position the query has reached and whose lifetime covers it; and in
+    both cases only where the stream's query_mask, if any, allows."""
     sub_stream = stream.select(group.seqs)
     max_len = int(sub_stream.lengths.max())
     if max_len == 0:
@@ -99,7 +101,9 @@ def _group_keys(
             visible = visible & (positions >= block_ends[:, None, :] + stream.shown_from)
         if stream.hidden_from is not None:
             visible = visible & (positions < block_ends[:, None, :] + stream.hidden_from)
-    return _GroupKeys(keys, values, visible)
+    if stream.query_mask is not None:
+        visible = visible & stream.query_mask[group.rows][:, :, :max_len]
+    return GroupKeys(keys, values, visible)
 
 
 def _additive_mask(visible: torch.Tensor, logit_bias: float) -> torch.Tensor:
@@ -126,8 +130,8 @@ def cache_attention_torch(
     """
     num_tokens, num_q_heads, head_dim = q.shape
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
-    for group in _query_groups(q_seq_starts):
-        parts = [(_group_keys(stream, group, q_positions), stream.logit_bias) for stream in streams]
+    for group in query_groups(q_seq_starts):
+        parts = [(group_keys(stream, group, q_positions), stream.logit_bias) for stream in streams]
         parts = [(gathered, bias) for gathered, bias in parts if gathered is not None]
         if not parts:
             continue

@@ -1,13 +1,16 @@
 """Compressed sparse attention pooling: turn full cache blocks into summary vectors.
 
 Each source block of block_size tokens becomes block_size / ratio summaries, the mean of each
-aligned group of `ratio` consecutive tokens (keys after RoPE for K, values for V), dequantized
+aligned group of `ratio` consecutive tokens (keys, turned to the group's centre by the
+`align` matrices of kernels/rope_align.py when given, so that RoPE does not cancel them;
+values as they are), dequantized
 from the source pool, averaged in fp32 and quantized into the destination pool's format, which
 may differ from the source's (DESIGN.md section 3). ratio = 1 is a requantizing copy: it moves a
 block leaving the unquantized recent window into a quantized pool. Call once for K and once for V.
 
 Summary j of source block m goes to dst_slots[m * (block_size / ratio) + j]; a negative slot
-skips it. The mean is sum_t x_t (t in token order) / ratio, in fp32.
+skips it. The mean is sum_t x_t A_t (t in token order) / ratio in fp32, A_t = align[t] or the
+identity.
 
 A token-grouped destination (per-channel scales over a block) takes only ratio-1 copies of whole
 blocks into whole, aligned destination blocks: each token group is quantized at once.
@@ -28,6 +31,8 @@ from kernels.quantize import (
     vector_tiles,
 )
 
+DOT_MIN_ROWS = 16  # tl.dot takes tiles of at least 16 rows
+
 
 @triton.jit
 def _compress_kernel(
@@ -39,11 +44,13 @@ def _compress_kernel(
     dst_scales_ptr,
     dst_tensor_scale_ptr,
     dst_slots_ptr,
+    align_ptr,
     num_vectors,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     RATIO: tl.constexpr,
+    ALIGN: tl.constexpr,
     SRC_CODE: tl.constexpr,
     SRC_GROUP_SIZE: tl.constexpr,
     SRC_SCALE_DTYPE: tl.constexpr,
@@ -67,23 +74,9 @@ def _compress_kernel(
     first_rows = blocks.to(tl.int64) * BLOCK_SIZE + (summaries % SUMMARIES_PER_BLOCK) * RATIO
     dims = tl.arange(0, BLOCK_D)
     # The sum starts from token 0 itself, not from 0.0, so that a -0.0 survives a ratio-1 copy.
-    total = load_dequant_tile(
-        src_codes_ptr,
-        src_scales_ptr,
-        src_tensor_scale_ptr,
-        first_rows,
-        heads,
-        mask,
-        dims,
-        NUM_HEADS,
-        HEAD_DIM,
-        SRC_CODE,
-        SRC_GROUP_SIZE,
-        SRC_SCALE_DTYPE,
-        SRC_TOKEN_GROUP,
-    )
-    for token in tl.static_range(1, RATIO):
-        total += load_dequant_tile(
+    total = tl.zeros((BLOCK_R, BLOCK_D), tl.float32)
+    for token in tl.static_range(RATIO):
+        tile = load_dequant_tile(
             src_codes_ptr,
             src_scales_ptr,
             src_tensor_scale_ptr,
@@ -98,6 +91,15 @@ def _compress_kernel(
             SRC_SCALE_DTYPE,
             SRC_TOKEN_GROUP,
         )
+        if ALIGN:
+            square = dims[:, None] * HEAD_DIM + dims[None, :]
+            inside = (dims[:, None] < HEAD_DIM) & (dims[None, :] < HEAD_DIM)
+            turn = tl.load(align_ptr + token * HEAD_DIM * HEAD_DIM + square, mask=inside, other=0.0)
+            tile = tl.dot(tile, turn, input_precision="ieee")
+        if token == 0:
+            total = tile
+        else:
+            total += tile
     mean = tl.math.div_rn(total, tl.full(total.shape, RATIO, tl.float32))
     quantize_store_tile(
         dst_codes_ptr,
@@ -182,10 +184,21 @@ def _check_compress(
     dst_pool: KVPool,
     dst_slots: torch.Tensor,
     ratio: int,
+    align: torch.Tensor | None = None,
 ) -> None:
-    """Raise early on a ratio, index tensor or pool pair that cannot be pooled."""
+    """Raise early on a ratio, index tensor, alignment or pool pair that cannot be pooled."""
     if ratio < 1 or src_pool.block_size % ratio:
         raise ValueError(f"ratio={ratio}: must be >= 1 and divide block_size={src_pool.block_size}")
+    head_dim = src_pool.head_dim
+    if align is not None and (
+        tuple(align.shape) != (ratio, head_dim, head_dim)
+        or align.dtype != torch.float32
+        or not align.is_contiguous()
+    ):
+        raise ValueError(
+            f"align: must be contiguous fp32 [{ratio}, {head_dim}, {head_dim}], got "
+            f"{align.dtype} {tuple(align.shape)}"
+        )
     if (src_pool.num_heads, src_pool.head_dim) != (dst_pool.num_heads, dst_pool.head_dim):
         raise ValueError(
             f"src_pool and dst_pool: need equal heads and head_dim, got "
@@ -214,10 +227,12 @@ def compress_blocks(
     dst_pool: KVPool,
     dst_slots: torch.Tensor,
     ratio: int,
+    align: torch.Tensor | None = None,
 ) -> None:
     """Pool full source blocks src_block_ids [M] into summaries at dst_slots
-    [M * block_size / ratio] of dst_pool (in place; see the module docstring)."""
-    _check_compress(src_pool, src_block_ids, dst_pool, dst_slots, ratio)
+    [M * block_size / ratio] of dst_pool (in place; see the module docstring); align: fp32
+    [ratio, D, D] turns of the pooled keys, or None."""
+    _check_compress(src_pool, src_block_ids, dst_pool, dst_slots, ratio, align)
     num_heads, head_dim = src_pool.num_heads, src_pool.head_dim
     num_vectors = dst_slots.shape[0] * num_heads
     if num_vectors == 0:
@@ -226,6 +241,9 @@ def compress_blocks(
         _copy_token_groups(src_pool, src_block_ids, dst_pool, dst_slots)
         return
     programs, block_r, block_d = vector_tiles(num_vectors, head_dim)
+    if align is not None and block_r < DOT_MIN_ROWS:
+        block_r = DOT_MIN_ROWS
+        programs = triton.cdiv(num_vectors, block_r)
     _compress_kernel[(programs,)](
         src_pool.codes,
         src_pool.scales if src_pool.scales is not None else src_pool.codes,
@@ -235,11 +253,13 @@ def compress_blocks(
         dst_pool.scales if dst_pool.scales is not None else dst_pool.codes,
         dst_pool.tensor_scale,
         dst_slots.contiguous(),
+        align if align is not None else src_pool.tensor_scale,
         num_vectors,
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=src_pool.block_size,
         RATIO=ratio,
+        ALIGN=align is not None,
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         **format_switches(src_pool.fmt, "SRC_"),
@@ -277,14 +297,18 @@ def compress_blocks_ref(
     dst_pool: KVPool,
     dst_slots: torch.Tensor,
     ratio: int,
+    align: torch.Tensor | None = None,
 ) -> None:
-    """Torch reference of `compress_blocks` (same signature, same bits)."""
-    _check_compress(src_pool, src_block_ids, dst_pool, dst_slots, ratio)
+    """Torch reference of `compress_blocks` (same signature; the same bits without align, the
+    same up to fp32 summation order with it)."""
+    _check_compress(src_pool, src_block_ids, dst_pool, dst_slots, ratio, align)
     block_size = src_pool.block_size
     offsets = torch.arange(block_size, device=src_block_ids.device)
     rows = src_block_ids.long()[:, None] * block_size + offsets
     tokens = read_vectors_ref(src_pool, rows.flatten())
     groups = tokens.unflatten(0, (-1, ratio))  # [summaries, ratio, heads, head_dim]
+    if align is not None:
+        groups = torch.einsum("strd,tde->stre", groups, align)
     total = groups[:, 0]
     for token in range(1, ratio):
         total = total + groups[:, token]

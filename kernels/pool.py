@@ -143,3 +143,19 @@ def _whole_token_groups(slots: torch.Tensor, rows: int) -> bool:
     runs = slots.unflatten(0, (-1, rows))
     consecutive = runs == runs[:, :1] + torch.arange(rows, device=slots.device)
     return bool(consecutive.all() and (runs[:, 0] % rows == 0).all())
+
+
+def copy_blocks(
+    src: KVPool, src_blocks: torch.Tensor, dst: KVPool, dst_blocks: torch.Tensor
+) -> None:
+    """Copy whole blocks, codes and scales as they are, between two pools of one format that
+    may live on different devices (the host tier and the device): no rounding happens."""
+    if src.fmt != dst.fmt or src.codes.shape[1:] != dst.codes.shape[1:]:
+        raise ValueError(f"copy_blocks: pools differ ({src.fmt} and {dst.fmt})")
+    if src.fmt.quantized and not torch.equal(src.tensor_scale.cpu(), dst.tensor_scale.cpu()):
+        raise ValueError("copy_blocks: pools differ in tensor scale")
+    src_blocks = src_blocks.long().to(src.codes.device)
+    dst_blocks = dst_blocks.long().to(dst.codes.device)
+    dst.codes[dst_blocks] = src.codes[src_blocks].to(dst.codes.device, non_blocking=True)
+    if src.scales is not None:
+        dst.scales[dst_blocks] = src.scales[src_blocks].to(dst.scales.device, non_blocking=True)

@@ -81,10 +81,13 @@ def rotation_matrix(
 
 
 def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Rotated vectors x [..., D] @ R, in fp32 (quantize from full precision)."""
-    return x.float() @ matrix
+    """Rotated vectors x [..., D] @ R, fp32 (quantize from full precision). Computed in fp64
+    and rounded once, so a vector rotates to the same bits whatever batch it comes in (an fp32
+    matmul's summation order depends on the batch shape, and a flipped code would make a
+    prefill chunk differ from decode)."""
+    return (x.double() @ matrix.double()).float()
 
 
 def unrotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Undo `rotate`: x [..., D] @ R^T, in fp32."""
-    return x.float() @ matrix.T
+    """Undo `rotate`: x [..., D] @ R^T, fp32 (via fp64, as rotate)."""
+    return (x.double() @ matrix.double().T).float()

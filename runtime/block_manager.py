@@ -14,6 +14,11 @@ engine calls it before a step's attention with upto = the chunk's last position 
 prefill position sees what decode shows it) and after the step with upto = all tokens. Blocks
 that leave a stream before the attention stay readable until `release`: `SequenceKV.retiring`
 lists them, and the cache shows each to the positions that decode would show it to.
+With selection (policy.selects) a block pooled into summaries is also copied into the host
+tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), and the sequence
+holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer fetches the
+blocks its queries select (`SequenceKV.staged`: per layer, the host block each staging block
+holds).
 The manager only decides; the KV cache executes the returned copy operations on every layer and
 then calls `release` for their source blocks.
 """
@@ -28,6 +33,7 @@ from runtime.policy import KVPolicy
 
 MAIN = "main"
 RECENT = "recent"
+HOST = "host"
 
 
 class BlockPool:
@@ -92,34 +98,52 @@ class SequenceKV:
     num_summaries: int = 0
     num_tokens: int = 0
     retiring: list[RetiringBlock] = field(default_factory=list)
+    host_blocks: list[int] = field(default_factory=list)
+    staging_blocks: list[int] = field(default_factory=list)
+    staged: dict[int, dict[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class BlockCopy:
-    """Pool `ratio` consecutive tokens of a source block into one destination slot each.
+    """Pool `ratio` consecutive tokens of a source block into one destination slot each of
+    the dst_kind pool.
 
-    ratio 1 is a (re)quantizing copy, used when a block leaves the fp16 recent region.
-    The source block is released once every layer has executed the copy.
+    ratio 1 is a (re)quantizing copy, used when a block leaves the fp16 recent region, or the
+    copy of a pooled block into the host tier (which leaves the source to its pooling copy).
+    The source block is released once every layer has executed the copy, if frees_source.
     """
 
     src_kind: str
     src_block: int
     dst_slots: tuple[int, ...]
     ratio: int
+    dst_kind: str = MAIN
+    frees_source: bool = True
 
 
 @dataclass(frozen=True)
 class BlockNeeds:
     main: int
     recent: int
+    host: int = 0
 
 
 class BlockManager:
     """Allocates blocks for sequences under one policy and plans their compressions and moves."""
 
-    def __init__(self, policy: KVPolicy, num_main_blocks: int, num_recent_blocks: int) -> None:
+    def __init__(
+        self,
+        policy: KVPolicy,
+        num_main_blocks: int,
+        num_recent_blocks: int,
+        num_host_blocks: int = 0,
+    ) -> None:
         self.policy = policy
-        self.pools = {MAIN: BlockPool(num_main_blocks), RECENT: BlockPool(num_recent_blocks)}
+        self.pools = {
+            MAIN: BlockPool(num_main_blocks),
+            RECENT: BlockPool(num_recent_blocks),
+            HOST: BlockPool(num_host_blocks),
+        }
         self.tail_kind = RECENT if policy.recent_tail else MAIN
 
     def new_sequence(self) -> SequenceKV:
@@ -156,11 +180,14 @@ class BlockManager:
         peak_main = newly_compressed + max(
             self._main_blocks_before_attention(end), after.quantized + after.summary
         )
+        peak_main += after.staging
         peak_recent = held[RECENT]
         if self.tail_kind == RECENT:
             peak_recent += self._new_tail_blocks(kv, num_new)
         return BlockNeeds(
-            main=max(0, peak_main - held[MAIN]), recent=max(0, peak_recent - held[RECENT])
+            main=max(0, peak_main - held[MAIN]),
+            recent=max(0, peak_recent - held[RECENT]),
+            host=max(0, after.host - held[HOST]),
         )
 
     def _main_blocks_before_attention(self, end: int) -> int:
@@ -177,10 +204,18 @@ class BlockManager:
 
     def can_append(self, kv: SequenceKV, num_new: int) -> bool:
         need = self.needs(kv, num_new)
-        return need.main <= self.pools[MAIN].num_free and need.recent <= self.pools[RECENT].num_free
+        return (
+            need.main <= self.pools[MAIN].num_free
+            and need.recent <= self.pools[RECENT].num_free
+            and need.host <= self.pools[HOST].num_free
+        )
 
     def held(self, kv: SequenceKV) -> dict[str, int]:
-        counts = {MAIN: len(kv.summary_blocks), RECENT: 0}
+        counts = {
+            MAIN: len(kv.summary_blocks) + len(kv.staging_blocks),
+            RECENT: 0,
+            HOST: len(kv.host_blocks),
+        }
         for block in kv.sinks.blocks + kv.window.blocks:
             counts[block.kind] += 1
         return counts
@@ -224,8 +259,20 @@ class BlockManager:
                     kv.summary_blocks.append(self.pools[MAIN].allocate())
                 dst_slots.append(kv.summary_blocks[index // bs] * bs + index % bs)
                 kv.num_summaries += 1
+            if policy.selects:
+                copies.append(self._keep_on_host(kv, source))
             copies.append(BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio))
         return copies
+
+    def _keep_on_host(self, kv: SequenceKV, source: Block) -> BlockCopy:
+        """Copy a block being pooled into the host tier, and grow the staging pool with it."""
+        bs = self.policy.block_size
+        host = self.pools[HOST].allocate()
+        kv.host_blocks.append(host)
+        if len(kv.staging_blocks) < min(self.policy.csa_topk, len(kv.host_blocks)):
+            kv.staging_blocks.append(self.pools[MAIN].allocate())
+        slots = tuple(range(host * bs, (host + 1) * bs))
+        return BlockCopy(source.kind, source.block_id, slots, 1, HOST, frees_source=False)
 
     def _demote(self, kv: SequenceKV, upto: int) -> list[BlockCopy]:
         """Quantize recent blocks that are done and hold none of the last recent_unquantized
@@ -259,7 +306,8 @@ class BlockManager:
     def release(self, copies: list[BlockCopy], kvs: list[SequenceKV]) -> None:
         """Free the source blocks of executed copies (the retiring blocks of kvs)."""
         for copy in copies:
-            self.pools[copy.src_kind].release(copy.src_block)
+            if copy.frees_source:
+                self.pools[copy.src_kind].release(copy.src_block)
         for kv in kvs:
             kv.retiring.clear()
 
@@ -267,8 +315,13 @@ class BlockManager:
         """Return every block of a finished or preempted sequence."""
         for block in kv.sinks.blocks + kv.window.blocks:
             self.pools[block.kind].release(block.block_id)
-        for block_id in kv.summary_blocks:
+        for block_id in kv.summary_blocks + kv.staging_blocks:
             self.pools[MAIN].release(block_id)
+        for block_id in kv.host_blocks:
+            self.pools[HOST].release(block_id)
         kv.sinks.blocks.clear()
         kv.window.blocks.clear()
         kv.summary_blocks.clear()
+        kv.staging_blocks.clear()
+        kv.host_blocks.clear()
+        kv.staged.clear()

@@ -18,10 +18,10 @@ from typing import Protocol
 import torch
 
 from runtime.arch import ModelArch
-from runtime.backends import CacheOps
+from runtime.backends import CacheOps, check_policy_support
 from runtime.block_manager import MAIN, RECENT, BlockManager, SequenceKV
 from runtime.errors import ConfigError
-from runtime.kv_bytes import ceil_div, sequence_blocks
+from runtime.kv_bytes import ceil_div, main_block_bytes, sequence_blocks
 from runtime.kv_cache import KVCache, block_bytes
 from runtime.policy import KVPolicy
 from runtime.scheduler import ScheduledSequence, Scheduler
@@ -33,7 +33,10 @@ Attention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 
 class DecoderModel(Protocol):
-    """What the engine needs of a model: packed forward with pluggable attention, and logits."""
+    """What the engine needs of a model: packed forward with pluggable attention, logits, and
+    its RoPE speeds (inv_freq, to pool summaries as if before RoPE)."""
+
+    inv_freq: torch.Tensor
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: Attention
@@ -44,13 +47,15 @@ class DecoderModel(Protocol):
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine limits. kv_budget_bytes: bytes for all KV pools (None: room for max_num_seqs
-    sequences of max_model_len)."""
+    """Engine limits. kv_budget_bytes: device bytes for all KV pools (None: room for
+    max_num_seqs sequences of max_model_len); host_kv_budget_bytes: bytes of the host tier of a
+    policy that selects (None: room for max_num_seqs sequences of max_model_len)."""
 
     max_model_len: int
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None
     kv_budget_bytes: int | None = None
+    host_kv_budget_bytes: int | None = None
     scheduling: str = "fcfs"
     seed: int = 0
 
@@ -67,7 +72,7 @@ def recent_pool_blocks(policy: KVPolicy, max_num_seqs: int, step_tokens: int) ->
 def main_blocks_for_one_sequence(policy: KVPolicy, max_model_len: int, step_tokens: int) -> int:
     """Main-pool blocks the longest sequence needs at its peak within a step."""
     longest = sequence_blocks(policy, max_model_len)
-    return longest.quantized + longest.summary + ceil_div(step_tokens, policy.block_size) + 1
+    return longest.main + ceil_div(step_tokens, policy.block_size) + 1
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,27 @@ class PoolSizes:
     main_blocks: int
     recent_blocks: int
     step_tokens: int
+    host_blocks: int = 0
+
+
+def host_pool_blocks(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> int:
+    """Host-tier blocks for its budget (0 for a policy that does not select); refuses a budget
+    below one full-length sequence."""
+    one_sequence = sequence_blocks(policy, config.max_model_len).host
+    if not policy.selects:
+        return 0
+    block = main_block_bytes(arch, policy)
+    budget = config.host_kv_budget_bytes
+    if budget is None:
+        return config.max_num_seqs * one_sequence
+    if budget // block < one_sequence:
+        raise ConfigError(
+            "host_kv_budget_bytes",
+            budget,
+            f">= {one_sequence * block} bytes: the host tier of one {config.max_model_len}-token "
+            "sequence under this policy",
+        )
+    return budget // block
 
 
 def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:
@@ -98,7 +124,7 @@ def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolS
             f">= {needed} bytes: one {config.max_model_len}-token sequence under this policy "
             "(raise the budget, lower max_model_len, or quantize/compress more)",
         )
-    return PoolSizes(main, recent, step_tokens)
+    return PoolSizes(main, recent, step_tokens, host_pool_blocks(arch, policy, config))
 
 
 class Engine:
@@ -119,10 +145,13 @@ class Engine:
         self.policy = policy
         self.config = config
         self.device = device
+        check_policy_support(ops, policy)
         sizes = pool_sizes(arch, policy, config)
         self.block_bytes = block_bytes(arch, policy)
-        self.blocks = BlockManager(policy, sizes.main_blocks, sizes.recent_blocks)
-        self.cache = KVCache(arch, policy, self.blocks, ops, tensor_scales, device)
+        self.blocks = BlockManager(
+            policy, sizes.main_blocks, sizes.recent_blocks, sizes.host_blocks
+        )
+        self.cache = KVCache(arch, policy, self.blocks, ops, tensor_scales, device, model.inv_freq)
         self.scheduler = Scheduler(
             self.blocks, config.max_num_seqs, sizes.step_tokens, config.scheduling
         )
@@ -304,6 +333,8 @@ class Engine:
             "kv_fragmentation": (held - filled) / held if held else 0.0,
             "peak_main_blocks": self.blocks.pools[MAIN].peak_used,
             "peak_recent_blocks": self.blocks.pools[RECENT].peak_used,
+            "kv_host_allocated_bytes": self.cache.host_allocated_bytes,
+            "kv_fetched_bytes": self.cache.fetched_bytes,
             "preemptions": self.scheduler.num_preemptions,
         }
         if self.device.type == "cuda":

@@ -15,6 +15,10 @@ format. With per-channel key scales (k_scale_axis=channel) a block is quantized 
 partial last block of the growing stream stays in fp16 too. Summaries always use the layer's
 format. Formats whose scales are shared by the tokens of a block cost bytes per block, so every
 total here is counted in blocks.
+With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy in the host
+tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
+blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
+host bytes the tier.
 """
 
 from __future__ import annotations
@@ -47,10 +51,18 @@ class SequenceBlocks:
     quantized: int
     recent: int
     summary: int
+    staging: int = 0
+    host: int = 0
+
+    @property
+    def main(self) -> int:
+        """Device blocks in the layer's format: exact, summaries and the staging pool."""
+        return self.quantized + self.summary + self.staging
 
     @property
     def total(self) -> int:
-        return self.quantized + self.recent + self.summary
+        """Device blocks of every kind."""
+        return self.main + self.recent
 
 
 def exact_extents(policy: KVPolicy, num_tokens: int) -> list[StreamExtent]:
@@ -103,7 +115,14 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
         recent += in_recent
         quantized += ceil_div(extent.length, bs) - in_recent
     summary = ceil_div(summary_tokens(policy, num_tokens), bs)
-    return SequenceBlocks(quantized=quantized, recent=recent, summary=summary)
+    host = compressed_blocks(policy, num_tokens) if policy.selects else 0
+    return SequenceBlocks(
+        quantized=quantized,
+        recent=recent,
+        summary=summary,
+        staging=min(policy.csa_topk, host),
+        host=host,
+    )
 
 
 @dataclass(frozen=True)
@@ -148,12 +167,25 @@ def kv_bytes_per_token(arch: ModelArch, policy: KVPolicy) -> int:
 
 
 def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
-    """Bytes the paged cache holds for one sequence of num_tokens tokens, all layers."""
+    """Device bytes the paged cache holds for one sequence of num_tokens tokens, all layers
+    (the staging pool included, the host tier not)."""
     blocks = sequence_blocks(policy, num_tokens)
     bs = policy.block_size
     total = 0
     for f in layer_formats(arch, policy):
         layer_block = layer_block_bytes(arch, f.k, f.v, bs)
         recent_block = layer_block_bytes(arch, f.k_recent, f.v_recent, bs)
-        total += (blocks.quantized + blocks.summary) * layer_block + blocks.recent * recent_block
+        total += blocks.main * layer_block + blocks.recent * recent_block
     return total
+
+
+def main_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
+    """Bytes of one block in the layers' own formats, summed over layers (a host-tier block,
+    and what fetching one selected block into every layer's staging pool moves)."""
+    bs = policy.block_size
+    return sum(layer_block_bytes(arch, f.k, f.v, bs) for f in layer_formats(arch, policy))
+
+
+def host_kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
+    """Host-tier bytes of one sequence of num_tokens tokens, all layers (0 without one)."""
+    return sequence_blocks(policy, num_tokens).host * main_block_bytes(arch, policy)

@@ -13,22 +13,34 @@ engine brings the layout to the chunk's last position before the attention; the 
 or pooled on the way are still readable (`SequenceKV.retiring`), and each stream carries a
 lifetime rule (PagedStream.shown_from / hidden_from) that shows a block's exact, recent or
 pooled form to exactly the positions that decode would show it to.
+
+CSA selection (policy.selects): each older block keeps its exact copy in a host tier, and in
+every layer each query reads exactly the csa_topk blocks it selects by their summaries
+(kernels/selection.py), the summaries of the others. A prefill chunk reads the selected blocks
+where they are (each query its own choice, by mask); a decode step fetches them into the
+sequence's staging blocks, reusing those still there, and counts the bytes it moved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernels.attention import PagedStream
-from kernels.pool import KVPool
+from kernels.compress import compress_blocks_ref
+from kernels.kv_format import KVFormat
+from kernels.pool import KVPool, copy_blocks
+from kernels.rope_align import summary_alignment
 from kernels.rotation import rotate, rotation_matrix, unrotate
+from kernels.selection import select_blocks
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
-from runtime.block_manager import MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
+from runtime.block_manager import HOST, MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
 from runtime.kv_bytes import layer_block_bytes, layer_formats
 from runtime.policy import KVPolicy
 
@@ -45,6 +57,7 @@ class LayerPools:
 class StreamSpec:
     """One stream of this step's batch: same for every layer, only the pools differ."""
 
+    name: str
     kind: str
     block_table: torch.Tensor
     lengths: torch.Tensor
@@ -57,10 +70,12 @@ class StreamSpec:
 
 @dataclass(frozen=True)
 class CopyGroup:
-    """Copies of one source kind and ratio, as index tensors built once for every layer."""
+    """Copies of one source kind, ratio and destination kind, as index tensors built once for
+    every layer."""
 
     src_kind: str
     ratio: int
+    dst_kind: str
     src_blocks: torch.Tensor
     dst_slots: torch.Tensor
 
@@ -76,6 +91,7 @@ class StepLayout:
     max_q_len: int
     streams: list[StreamSpec]
     copies: list[CopyGroup]
+    kvs: list[SequenceKV]
 
     @property
     def decode_only(self) -> bool:
@@ -116,7 +132,9 @@ class KVCache:
         ops: CacheOps,
         tensor_scales: list[tuple[torch.Tensor, torch.Tensor]],
         device: torch.device,
+        rope_inv_freq: torch.Tensor | None = None,
     ) -> None:
+        """rope_inv_freq: the model's RoPE speeds, needed to pool pre-RoPE summaries."""
         self.policy = policy
         self.blocks = blocks
         self.ops = ops
@@ -125,6 +143,11 @@ class KVCache:
         bs, heads, size = policy.block_size, arch.cached_heads, arch.cached_vector_size
         counts = {kind: pool.num_blocks for kind, pool in blocks.pools.items()}
         self.rotations = layer_rotations(arch, policy, device)
+        self.alignments = self._summary_alignments(rope_inv_freq)
+        self.fetched_bytes = 0
+        self.layer_bytes = [
+            layer_block_bytes(arch, f.k, f.v, bs) for f in layer_formats(arch, policy)
+        ]
         for formats, (k_scale, v_scale) in zip(
             layer_formats(arch, policy), tensor_scales, strict=True
         ):
@@ -141,17 +164,44 @@ class KVCache:
                 v_pools[RECENT] = KVPool.allocate(
                     formats.v_recent, counts[RECENT], bs, heads, size, None, device
                 )
+            if counts[HOST]:
+                for pools, fmt, scale in (
+                    (k_pools, formats.k, k_scale),
+                    (v_pools, formats.v, v_scale),
+                ):
+                    pools[HOST] = _host_pool(fmt, counts[HOST], bs, heads, size, scale, device)
             self.layers.append(LayerPools(k_pools, v_pools))
+
+    def _summary_alignments(self, inv_freq: torch.Tensor | None) -> list[torch.Tensor | None]:
+        """Per layer, the turns that pool keys as if before RoPE (None: pooled as cached)."""
+        policy = self.policy
+        if not policy.compressed or policy.csa_summary != "pre_rope":
+            return [None] * len(self.rotations)
+        if inv_freq is None:
+            raise ValueError("rope_inv_freq: needed for csa_summary=pre_rope")
+        inv_freq = inv_freq.to(self.device)
+        return [summary_alignment(inv_freq, policy.csa_ratio, r) for r in self.rotations]
 
     @property
     def allocated_bytes(self) -> int:
-        """Bytes of every pool tensor of every layer (codes and scales)."""
+        """Bytes of every device pool tensor of every layer (codes and scales)."""
+        return self._pool_bytes(lambda kind: kind != HOST)
+
+    @property
+    def host_allocated_bytes(self) -> int:
+        """Bytes of the host tier's pools, every layer."""
+        return self._pool_bytes(lambda kind: kind == HOST)
+
+    def _pool_bytes(self, counted: Callable[[str], bool]) -> int:
         total = 0
         for layer in self.layers:
-            for pool in [*layer.k.values(), *layer.v.values()]:
-                total += pool.codes.numel() * pool.codes.element_size()
-                if pool.scales is not None:
-                    total += pool.scales.numel() * pool.scales.element_size()
+            for by_kind in (layer.k, layer.v):
+                for kind, pool in by_kind.items():
+                    if not counted(kind):
+                        continue
+                    total += pool.codes.numel() * pool.codes.element_size()
+                    if pool.scales is not None:
+                        total += pool.scales.numel() * pool.scales.element_size()
         return total
 
     def _int32(self, values: list[int]) -> torch.Tensor:
@@ -181,6 +231,7 @@ class KVCache:
             max_q_len=max(len(p) for p in positions),
             streams=self._stream_specs(kvs),
             copies=self._copy_groups(copies),
+            kvs=kvs,
         )
 
     def _lifetime(self, name: str, kind: str) -> tuple[int | None, int | None]:
@@ -189,7 +240,7 @@ class KVCache:
         once csa_window tokens do (straight from its recent copy if that comes first)."""
         recent, window = self.policy.recent_unquantized, self.policy.csa_window
         pooled = window if self.policy.compressed and name == "window" else None
-        if name == "summary":
+        if name in ("summary", "host"):
             return window, None
         if kind == RECENT:
             return None, min(recent, pooled) if pooled is not None else recent
@@ -197,7 +248,7 @@ class KVCache:
 
     def _stream_specs(self, kvs: list[SequenceKV]) -> list[StreamSpec]:
         """One spec per (stream, block kind) that holds any vector in this batch."""
-        ratio = self.policy.csa_ratio
+        ratio, bs = self.policy.csa_ratio, self.policy.block_size
         rows: dict[tuple[str, str], list[tuple[list[int], int, int]]] = defaultdict(list)
         for kv in kvs:
             for name, parts in _exact_segments(kv, self.policy.block_size).items():
@@ -205,6 +256,9 @@ class KVCache:
                     rows[(name, kind)].append(parts.get(kind, ([], 0, 0)))
             summaries = (kv.summary_blocks, kv.num_summaries, self.policy.csa_sinks)
             rows[("summary", MAIN)].append(summaries)
+            if self.policy.selects:
+                host = (kv.host_blocks, len(kv.host_blocks) * bs, self.policy.csa_sinks)
+                rows[("host", HOST)].append(host)
         specs = []
         for (name, kind), per_seq in rows.items():
             if not any(length for _, length, _ in per_seq):
@@ -213,6 +267,7 @@ class KVCache:
             shown_from, hidden_from = self._lifetime(name, kind)
             specs.append(
                 StreamSpec(
+                    name=name,
                     kind=kind,
                     block_table=self._block_table([ids for ids, _, _ in per_seq]),
                     lengths=self._int32([length for _, length, _ in per_seq]),
@@ -226,33 +281,43 @@ class KVCache:
         return specs
 
     def _copy_groups(self, copies: list[BlockCopy]) -> list[CopyGroup]:
-        """Copies grouped by (source kind, ratio), in first-seen order: a block demoted and
-        pooled in one maintenance is pooled from its demoted codes."""
-        groups: dict[tuple[str, int], list[BlockCopy]] = defaultdict(list)
+        """Copies grouped by (source kind, ratio, destination kind), in first-seen order: a block
+        demoted and pooled in one maintenance is pooled from its demoted codes."""
+        groups: dict[tuple[str, int, str], list[BlockCopy]] = defaultdict(list)
         for copy in copies:
-            groups[(copy.src_kind, copy.ratio)].append(copy)
+            groups[(copy.src_kind, copy.ratio, copy.dst_kind)].append(copy)
         return [
             CopyGroup(
                 src_kind,
                 ratio,
+                dst_kind,
                 self._int32([c.src_block for c in group]),
                 torch.tensor(
                     [s for c in group for s in c.dst_slots], dtype=torch.int64, device=self.device
                 ),
             )
-            for (src_kind, ratio), group in groups.items()
+            for (src_kind, ratio, dst_kind), group in groups.items()
         ]
 
     def _run_copies(self, layer: int, groups: list[CopyGroup]) -> None:
         pools = self.layers[layer]
+        bs = self.policy.block_size
         for group in groups:
-            for by_kind in (pools.k, pools.v):
+            for by_kind, align in ((pools.k, self.alignments[layer]), (pools.v, None)):
+                source, target = by_kind[group.src_kind], by_kind[group.dst_kind]
+                if group.dst_kind == HOST and source.fmt == target.fmt:
+                    copy_blocks(source, group.src_blocks, target, group.dst_slots[::bs] // bs)
+                    continue
+                if group.dst_kind == HOST:  # from an fp16 recent block: quantized once, by torch
+                    compress_blocks_ref(source, group.src_blocks, target, group.dst_slots, 1)
+                    continue
                 self.ops.compress_blocks(
-                    by_kind[group.src_kind],
+                    source,
                     group.src_blocks,
-                    by_kind[MAIN],
+                    target,
                     group.dst_slots,
                     group.ratio,
+                    align if group.ratio > 1 else None,
                 )
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
@@ -279,8 +344,8 @@ class KVCache:
         tail = self.blocks.tail_kind
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])
         self._run_copies(layer, layout.copies)
-        streams = [
-            PagedStream(
+        streams = {
+            spec.name + spec.kind: PagedStream(
                 pools.k[spec.kind],
                 pools.v[spec.kind],
                 spec.block_table,
@@ -292,14 +357,83 @@ class KVCache:
                 spec.hidden_from,
             )
             for spec in layout.streams
-        ]
+        }
         positions = None if layout.decode_only else layout.q_positions
+        summaries = streams.get("summary" + MAIN)
+        if summaries is not None and self.policy.selects:
+            self._select(layer, layout, q, positions, scale, streams)
         out = self.ops.attention(
-            q, positions, layout.q_seq_starts, streams, scale, layout.max_q_len
+            q, positions, layout.q_seq_starts, list(streams.values()), scale, layout.max_q_len
         )
         if rotation is not None:
             out = unrotate(out, rotation)
         return out.to(dtype)
+
+    def _select(
+        self,
+        layer: int,
+        layout: StepLayout,
+        q: torch.Tensor,
+        positions: torch.Tensor | None,
+        scale: float,
+        streams: dict[str, PagedStream],
+    ) -> None:
+        """Each query's csa_topk older blocks: their summaries hidden from it, their exact form
+        shown (in place in the host tier for a prefill step, fetched for a decode step)."""
+        policy = self.policy
+        bs = policy.block_size
+        per_block = bs // policy.csa_ratio
+        summary_key, host_key = "summary" + MAIN, "host" + HOST
+        chosen = select_blocks(
+            q,
+            positions,
+            layout.q_seq_starts,
+            streams[summary_key],
+            per_block,
+            policy.csa_topk,
+            scale,
+        )
+        streams[summary_key] = dataclasses.replace(
+            streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=1)
+        )
+        host = streams.pop(host_key)
+        if positions is not None:
+            streams[host_key] = dataclasses.replace(
+                host, query_mask=chosen.repeat_interleave(bs, dim=1)
+            )
+            return
+        staged = [
+            self._fetch(layer, kv, row) for kv, row in zip(layout.kvs, chosen.tolist(), strict=True)
+        ]
+        pools = self.layers[layer]
+        streams["staging" + MAIN] = PagedStream(
+            pools.k[MAIN],
+            pools.v[MAIN],
+            self._block_table(staged),
+            self._int32([len(ids) * bs for ids in staged]),
+            host.start_positions,
+        )
+
+    def _fetch(self, layer: int, kv: SequenceKV, chosen: list[bool]) -> list[int]:
+        """Staging blocks holding the chosen host blocks of one sequence in one layer, fetching
+        those not staged yet into staging blocks whose block is no longer chosen."""
+        wanted = [kv.host_blocks[i] for i, pick in enumerate(chosen) if pick]
+        staged = kv.staged.setdefault(layer, {})  # staging block -> host block it holds
+        holding = {host: staging for staging, host in staged.items()}
+        free = [b for b in kv.staging_blocks if staged.get(b) not in wanted]
+        missing = [host for host in wanted if host not in holding]
+        if missing:
+            targets = free[: len(missing)]
+            pools = self.layers[layer]
+            src = torch.tensor(missing, dtype=torch.int64)
+            dst = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            for by_kind in (pools.k, pools.v):
+                copy_blocks(by_kind[HOST], src, by_kind[MAIN], dst)
+            for host, staging in zip(missing, targets, strict=True):
+                staged[staging] = host
+                holding[host] = staging
+            self.fetched_bytes += len(missing) * self.layer_bytes[layer]
+        return [holding[host] for host in wanted]
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:
         """Execute compressions and recent->main moves on every layer (sources freed by caller)."""
@@ -335,3 +469,22 @@ def _exact_segments(
             by_kind[kind] = ([block_id for _, block_id in mine], last_end - start, start)
         segments[name] = by_kind
     return segments
+
+
+def _host_pool(
+    fmt: KVFormat,
+    num_blocks: int,
+    block_size: int,
+    heads: int,
+    size: int,
+    tensor_scale: torch.Tensor | None,
+    device: torch.device,
+) -> KVPool:
+    """A host-tier pool in the layer's format: pinned host memory beside a CUDA device, the
+    same memory on a CPU."""
+    scale = None if tensor_scale is None else tensor_scale.cpu()
+    pool = KVPool.allocate(fmt, num_blocks, block_size, heads, size, scale, "cpu")
+    if device.type != "cuda":
+        return pool
+    scales = None if pool.scales is None else pool.scales.pin_memory()
+    return KVPool(pool.codes.pin_memory(), scales, fmt, scale)

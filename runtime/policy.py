@@ -31,6 +31,9 @@ NO_ROTATION = "none"
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
 PER_TENSOR = "tensor"
+# How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
+# pooled before RoPE; kernels/rope_align.py), or averaged as cached (post_rope, the old way).
+CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope")
 
 
 def _field(name: str) -> str:
@@ -87,6 +90,13 @@ class KVPolicy:
     csa_ratio: tokens pooled into one summary K/V (1 = no compression).
     csa_window: the most recent tokens kept exact when compressing.
     csa_sinks: the first tokens kept exact when compressing.
+    csa_summary: pre_rope (keys turned to their group's centre before the mean, so RoPE does
+        not cancel them) or post_rope (the mean of the cached keys).
+    csa_topk: older blocks (outside sinks and window) each query reads exactly, chosen per
+        query and layer by its attention to their summaries (0 = none: summaries only).
+    csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
+        CPU has a second pool), from which selected blocks are fetched into a device staging
+        pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
     block_size: tokens a paged block holds.
     chunk_size: prefill chunk in tokens, a multiple of block_size.
     rotation: none, or hadamard: an orthonormal randomized Hadamard rotation of K and V along
@@ -108,6 +118,9 @@ class KVPolicy:
     csa_ratio: int = 1
     csa_window: int = 512
     csa_sinks: int = 16
+    csa_summary: str = "pre_rope"
+    csa_topk: int = 0
+    csa_host: bool = False
     block_size: int = 16
     chunk_size: int = 512
     rotation: str = NO_ROTATION
@@ -209,6 +222,11 @@ class KVPolicy:
                 "token when csa_ratio > 1 (summary keys are pooled one at a time; per-channel "
                 "scales need whole blocks)",
             )
+        if self.csa_summary not in CSA_SUMMARIES:
+            raise ConfigError(
+                _field("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
+            )
+        self._check_selection()
         if ratio > 1 and self.csa_window < self.block_size:
             raise ConfigError(
                 _field("csa_window"),
@@ -216,6 +234,36 @@ class KVPolicy:
                 f">= block_size={self.block_size} when csa_ratio > 1 "
                 "(whole blocks leave the window)",
             )
+
+    def _check_selection(self) -> None:
+        """Selection reads exact older blocks, which only the host tier keeps, and the tier
+        is read only by selection."""
+        _check_int("csa_topk", self.csa_topk, 0)
+        if not isinstance(self.csa_host, bool):
+            raise ConfigError(_field("csa_host"), self.csa_host, "true or false")
+        if self.csa_topk and self.csa_ratio == 1:
+            raise ConfigError(
+                _field("csa_topk"),
+                self.csa_topk,
+                "0 when csa_ratio is 1 (selection picks among compressed blocks)",
+            )
+        if self.csa_topk and not self.csa_host:
+            raise ConfigError(
+                _field("csa_host"),
+                self.csa_host,
+                "true when csa_topk > 0 (the selected exact blocks live in the host tier)",
+            )
+        if self.csa_host and not self.csa_topk:
+            raise ConfigError(
+                _field("csa_topk"),
+                self.csa_topk,
+                "an integer >= 1 when csa_host is true (only selection reads the host tier)",
+            )
+
+    @property
+    def selects(self) -> bool:
+        """Whether queries read selected exact older blocks from the host tier."""
+        return self.csa_topk > 0
 
     @property
     def compressed(self) -> bool:

@@ -9,7 +9,8 @@ import torch
 
 from runtime import LLM
 from runtime.errors import ConfigError
-from runtime.kv_bytes import kv_bytes_per_sequence
+from runtime.block_manager import HOST
+from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
 from runtime.policy import KVPolicy
 from tests.runtime.conftest import TINY_VOCAB
 
@@ -151,6 +152,19 @@ POLICIES_FOR_BYTES = [
         block_size=8,
         chunk_size=24,
     ),
+    # CSA selection: a host tier and a staging pool beside summaries.
+    KVPolicy(
+        "int4",
+        "fp8",
+        group_size=16,
+        csa_ratio=4,
+        csa_window=16,
+        csa_sinks=4,
+        csa_topk=2,
+        csa_host=True,
+        block_size=8,
+        chunk_size=24,
+    ),
 ]
 
 
@@ -164,8 +178,13 @@ def test_held_bytes_equal_planner_bytes_after_every_step(tiny_llama, policy):
     while engine.scheduler.has_work:
         engine.step()
         for seq in engine.scheduler.running:
-            held = engine._held_bytes(engine.scheduler.kv[seq.seq_id])
+            kv = engine.scheduler.kv[seq.seq_id]
+            held = engine._held_bytes(kv)
             assert held == kv_bytes_per_sequence(llm.arch, policy, seq.num_cached)
+            host_blocks = engine.blocks.pools[HOST].num_blocks
+            host_block = engine.cache.host_allocated_bytes // host_blocks if host_blocks else 0
+            host = engine.blocks.held(kv)[HOST] * host_block
+            assert host == host_kv_bytes_per_sequence(llm.arch, policy, seq.num_cached)
             checked += 1
     assert checked > 20
     stats = engine.stats()

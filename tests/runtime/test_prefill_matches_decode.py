@@ -63,6 +63,33 @@ POLICIES = {
         recent_unquantized=40,
         block_size=BLOCK,
     ),
+    # CSA selection: each query reads its 2 best older blocks exactly, fetched from the host
+    # tier in decode, read in place by each prefill query.
+    "csa_select": KVPolicy(
+        k_dtype="fp8",
+        v_dtype="fp8",
+        csa_ratio=4,
+        csa_window=16,
+        csa_sinks=4,
+        csa_topk=2,
+        csa_host=True,
+        block_size=BLOCK,
+    ),
+    # Selection with summaries pooled as cached (post-RoPE), from fp16 recent copies.
+    "csa_select_post_rope_recent": KVPolicy(
+        k_dtype="int4",
+        v_dtype="fp8",
+        group_size=16,
+        csa_ratio=2,
+        csa_window=16,
+        csa_sinks=3,
+        csa_summary="post_rope",
+        csa_topk=3,
+        csa_host=True,
+        recent_unquantized=24,
+        rotation="hadamard",
+        block_size=BLOCK,
+    ),
 }
 PROMPT = random_tokens(90, seed=3)
 OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
