@@ -56,7 +56,7 @@ def select_blocks(
         mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(2, 3))  # [S, C, L]
         blocks = length // summaries_per_block
         block_mass = mass.view(seqs, -1, blocks, summaries_per_block).sum(-1)
-        block_seen = visible.view(seqs, -1, blocks, summaries_per_block).any(-1)
+        block_seen = visible.view(seqs, -1, blocks, summaries_per_block).all(-1)
         scores = block_mass.masked_fill(~block_seen, -1.0)
         best = scores.topk(min(topk, blocks), dim=-1).indices
         chosen = torch.zeros_like(block_seen).scatter(-1, best, True) & block_seen

@@ -189,3 +189,9 @@ def main_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
 def host_kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Host-tier bytes of one sequence of num_tokens tokens, all layers (0 without one)."""
     return sequence_blocks(policy, num_tokens).host * main_block_bytes(arch, policy)
+
+
+def max_fetch_bytes_per_step(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
+    """Most bytes one decode step of a num_tokens sequence fetches from the host tier: every
+    staging block refilled in every layer (steps whose choice stays fetch nothing)."""
+    return sequence_blocks(policy, num_tokens).staging * main_block_bytes(arch, policy)

@@ -219,7 +219,14 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch) -> list[str]:
     if policy.compressed:
         gaps.append(
             f"CSA compression (ratio {policy.csa_ratio}, {policy.csa_sinks} sinks, window "
-            f"{policy.csa_window}): no engine compresses the cache"
+            f"{policy.csa_window}, summaries pooled {policy.csa_summary.replace('_', '-')}): no "
+            "engine compresses the cache; the engines keep every token (capacity below)"
+        )
+    if policy.selects:
+        gaps.append(
+            f"query-aware selection of {policy.csa_topk} older blocks per query from a host-memory "
+            "tier: neither engine expresses it for this model (SGLang's hisparse exists only for "
+            "DeepSeek sparse-attention models); the engines keep every token on the device"
         )
     return gaps
 

@@ -12,7 +12,12 @@ from typing import Any
 from autotune.config.settings import DeviceSpec, ServeSettings
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
-from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
+from runtime.kv_bytes import (
+    host_kv_bytes_per_sequence,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    max_fetch_bytes_per_step,
+)
 from runtime.policy import PER_TENSOR, KVPolicy
 
 CSA_USEFUL_CONTEXT = 32768
@@ -71,6 +76,8 @@ class CapacityRow:
     kv_bytes_per_sequence: int
     max_num_seqs: int
     predicted_decode_ms: float
+    host_kv_bytes_per_sequence: int = 0
+    max_fetch_bytes_per_step: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +85,8 @@ class CapacityRow:
             "policy": self.policy.to_dict(),
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "kv_bytes_per_sequence": self.kv_bytes_per_sequence,
+            "host_kv_bytes_per_sequence": self.host_kv_bytes_per_sequence,
+            "max_fetch_bytes_per_step": self.max_fetch_bytes_per_step,
             "max_num_seqs": self.max_num_seqs,
             "predicted_decode_ms": round(self.predicted_decode_ms, 4),
         }
@@ -100,6 +109,8 @@ def capacity_row(
         kv_bytes_per_sequence=per_sequence,
         max_num_seqs=fits,
         predicted_decode_ms=predicted_decode_ms(arch, device, max(fits, 1), per_sequence),
+        host_kv_bytes_per_sequence=host_kv_bytes_per_sequence(arch, policy, serve.max_model_len),
+        max_fetch_bytes_per_step=max_fetch_bytes_per_step(arch, policy, serve.max_model_len),
     )
 
 

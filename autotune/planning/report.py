@@ -21,6 +21,8 @@ def _policy_label(row: CapacityRow) -> str:
     p = row.policy
     scales = "" if p.k_dtype in ("auto", "fp16", "bf16") else f" g={p.group_size}/{p.scale_dtype}"
     csa = f" csa={p.csa_ratio} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
+    if p.selects:
+        csa += f" top{p.csa_topk} from host"
     layers = " per-layer" if p.layer_dtypes else ""
     recent = f" recent={p.recent_unquantized}" if p.recent_unquantized else ""
     return f"K {p.k_dtype} / V {p.v_dtype}{scales}{csa}{recent}{layers}"
@@ -36,6 +38,13 @@ def render_plan(plan: CapacityPlan, console: Console) -> None:
     summary.add_row("max_model_len (tokens)", f"{d['max_model_len']:,}")
     summary.add_row("kv_bytes_per_token", f"{d['kv_bytes_per_token']:,} B")
     summary.add_row("kv_bytes_per_sequence", f"{d['kv_bytes_per_sequence'] / MIB:,.1f} MiB")
+    if d["host_kv_bytes_per_sequence"]:
+        summary.add_row(
+            "host_kv_bytes_per_sequence", f"{d['host_kv_bytes_per_sequence'] / MIB:,.1f} MiB"
+        )
+        summary.add_row(
+            "fetched per decode step, at most", f"{d['max_fetch_bytes_per_step'] / MIB:,.2f} MiB"
+        )
     summary.add_row("weights", f"{d['weights_bytes'] / GIB:,.2f} GiB")
     summary.add_row("kv_budget", f"{d['kv_budget_bytes'] / GIB:,.2f} GiB")
     summary.add_row("max_num_seqs", f"{d['max_num_seqs']:,}")

@@ -27,6 +27,7 @@ from runtime.policy import (
     K_SCALE_AXES,
     KV_DTYPES,
     NO_ROTATION,
+    CSA_SUMMARIES,
     PER_TENSOR,
     ROTATION_NAMES,
     SCALE_DTYPES,
@@ -46,12 +47,14 @@ KNOB_NAMES = (
     "csa_ratio",
     "csa_window",
     "csa_sinks",
+    "csa_summary",
+    "csa_topk",
     "block_size",
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
 # Knobs added after studies began: a conf/search without them keeps the policy default.
-OPTIONAL_KNOBS = ("k_scale_axis", "rotation")
+OPTIONAL_KNOBS = ("k_scale_axis", "rotation", "csa_summary", "csa_topk")
 
 
 def _field(name: str) -> str:
@@ -174,6 +177,15 @@ class SearchConfig:
         for name in ("recent_unquantized", "csa_sinks"):
             _check_each(name, k[name], lambda v: _is_int(v, 0), "integers >= 0 (tokens)")
         _check_each(
+            "csa_topk", k["csa_topk"], lambda v: _is_int(v, 0), "integers >= 0 (blocks; 0 = none)"
+        )
+        _check_each(
+            "csa_summary",
+            k["csa_summary"],
+            CSA_SUMMARIES.__contains__,
+            f"one of {', '.join(CSA_SUMMARIES)}",
+        )
+        _check_each(
             "block_size",
             k["block_size"],
             lambda b: _is_int(b, 1) and b in BLOCK_SIZES,
@@ -263,6 +275,9 @@ class SearchSpace:
     def policy(self, params: Mapping[str, Any]) -> KVPolicy:
         """The canonical policy of a set of params (missing params take the fixed values)."""
         knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
+        if knobs["csa_ratio"] == 1:
+            knobs["csa_topk"] = 0  # nothing compressed, nothing to select
+        knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
         pairs = [""] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
@@ -330,7 +345,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
     quantized stream
     (the group size becomes "tensor", the one value every head_dim accepts), the key scale axis
     nothing without a quantized key stream, the CSA window and
-    sinks nothing without compression, and per-layer pairs that are all equal are the plain K/V
+    sinks, summary pooling and selection nothing without compression, and per-layer pairs that are all equal are the plain K/V
     dtypes. Canonical policies make equal trials hit the same cache entry.
     """
     pairs = policy.layer_dtypes or (f"{policy.k_dtype}/{policy.v_dtype}",)
@@ -354,5 +369,11 @@ def canonical(policy: KVPolicy) -> KVPolicy:
     elif policy.k_scale_axis == "channel" and not values_quantized:
         changes.update(group_size=PER_TENSOR)  # channel keys ignore it, no value uses it
     if not policy.compressed:
-        changes.update(csa_window=_DEFAULTS.csa_window, csa_sinks=_DEFAULTS.csa_sinks)
+        changes.update(
+            csa_window=_DEFAULTS.csa_window,
+            csa_sinks=_DEFAULTS.csa_sinks,
+            csa_summary=_DEFAULTS.csa_summary,
+            csa_topk=0,
+            csa_host=False,
+        )
     return policy.replace(**changes)

@@ -38,7 +38,12 @@ from autotune.study.latency import measure_latency
 from runtime.arch import GIB, ModelArch
 from runtime.errors import ConfigError
 from runtime.fingerprint import code_fingerprint, model_fingerprint
-from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
+from runtime.kv_bytes import (
+    host_kv_bytes_per_sequence,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    max_fetch_bytes_per_step,
+)
 from runtime.llm import LLM
 from runtime.policy import KVPolicy
 
@@ -144,6 +149,12 @@ def capacity_metrics(
     budget = kv_budget_bytes(arch, device, serve)
     return {
         "kv_bytes_per_sequence": float(per_sequence),
+        "host_kv_bytes_per_sequence": float(
+            host_kv_bytes_per_sequence(arch, policy, workload.context_len)
+        ),
+        "max_fetch_bytes_per_step": float(
+            max_fetch_bytes_per_step(arch, policy, workload.context_len)
+        ),
         "kv_bytes_per_token": float(kv_bytes_per_token(arch, policy)),
         "max_num_seqs": float(max_num_seqs(budget, per_sequence)),
         "predicted_decode_ms": predicted_decode_ms(arch, device, workload.batch, per_sequence),

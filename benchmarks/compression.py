@@ -1,0 +1,169 @@
+"""CSA compression on the accuracy suites: today's pooling, summaries pooled as if before RoPE,
+and query-aware selection over a host tier, with their bytes, fetches and decode speed.
+
+Issue 13's table: device bytes and host-tier bytes relative to fp16 at the trial suite's
+context, retention on the trial suite and on held-out seeds, greedy exact match on passkey and
+multikey (absolute, fp16's beside), the bytes a decode step fetches from the host tier, and
+the decode step time relative to fp16 measured in the same run (torch path, one sequence of
+--decode-context tokens). Accuracy results are cached like the validity benchmark's
+(content-keyed), so a rerun only re-times decode.
+
+    .venv/bin/python -m benchmarks.compression [--cheap quick] [--heldout heldout]
+        [--heldout-seeds 1] [--policies "..."] [--decode-context 4096] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from autotune.cache import JsonCache, default_cache_folder
+from autotune.evaluation import load_suite
+from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
+from benchmarks.formats import FP16, bytes_ratio
+from runtime import LLM
+from runtime.arch import arch_from_folder
+from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
+from runtime.model_source import resolve_model
+from runtime.policy import KVPolicy
+
+FP8 = KVPolicy("fp8", "fp8")
+INT4 = KVPolicy("int4", "int4", rotation="hadamard")
+
+
+def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
+    return base.replace(csa_ratio=ratio, csa_window=window, csa_sinks=16, **changes)
+
+
+POLICIES: dict[str, KVPolicy] = {
+    "fp16": FP16,
+    "fp8": FP8,
+    "fp8 csa4 w256 post-RoPE (before)": _csa(FP8, 4, 256, csa_summary="post_rope"),
+    "fp8 csa4 w256 pre-RoPE": _csa(FP8, 4, 256),
+    "fp8 csa8 w256 post-RoPE (before)": _csa(FP8, 8, 256, csa_summary="post_rope"),
+    "fp8 csa8 w256 pre-RoPE": _csa(FP8, 8, 256),
+    "fp8 csa8 w256 + top8 host": _csa(FP8, 8, 256, csa_topk=8, csa_host=True),
+    "fp8 csa16 w128 + top8 host": _csa(FP8, 16, 128, csa_topk=8, csa_host=True),
+    "int4 rotated csa8 w256 + top8 host": _csa(INT4, 8, 256, csa_topk=8, csa_host=True),
+    "int4 rotated csa16 w128 + top8 host": _csa(INT4, 16, 128, csa_topk=8, csa_host=True),
+}
+
+
+def decode_timing(llm: LLM, context: int, steps: int) -> tuple[float, float]:
+    """(median seconds of a decode step, host-tier bytes fetched per step) for one sequence
+    after a `context`-token prompt."""
+    engine = llm.engine
+    prompt = torch.randint(100, 20_000, (context,), generator=torch.Generator().manual_seed(0))
+    engine.add_request(prompt.tolist(), max_new_tokens=steps + 1)
+    while engine.scheduler.has_work and not any(s.output_ids for s in engine.scheduler.running):
+        engine.step()  # prefill
+    before = engine.stats()["kv_fetched_bytes"]
+    times = []
+    while engine.scheduler.has_work:
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    fetched = engine.stats()["kv_fetched_bytes"] - before
+    return sorted(times)[len(times) // 2], fetched / len(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cheap", default="quick")
+    parser.add_argument("--heldout", default="heldout")
+    parser.add_argument("--heldout-seeds", default="1", help="comma-separated ('' = none)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names")
+    parser.add_argument("--decode-context", type=int, default=4096)
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    unknown = [n for n in names if n not in POLICIES]
+    if unknown:
+        parser.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
+    cheap = load_suite(args.cheap)
+    seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
+    heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
+    folder = resolve_model(cheap.model)
+    arch = arch_from_folder(folder)
+    console = Console()
+    cache = JsonCache(default_cache_folder("eval-validity"))
+    length = args.decode_context + args.decode_steps + 8
+    base = LLM(folder, policy=FP16, max_model_len=length, max_num_seqs=1)
+    fp16_step, _ = decode_timing(base, args.decode_context, args.decode_steps)
+    rows = []
+    for name in names:
+        policy = POLICIES[name]
+        quick = cached_evaluate(policy, cheap, cache)
+        held = mean_result([cached_evaluate(policy, s, cache) for s in heldouts]) if seeds else None
+        step, fetched = decode_timing(
+            base.with_policy(policy), args.decode_context, args.decode_steps
+        )
+        tokens = cheap.context_tokens
+        host = host_kv_bytes_per_sequence(arch, policy, tokens) / kv_bytes_per_sequence(
+            arch, FP16, tokens
+        )
+        rows.append(
+            (name, bytes_ratio(arch, policy, tokens), host, quick, held, fetched, step / fp16_step)
+        )
+        console.log(f"{name}: {rows[-1][1]:.3f} device, {fmt(quick['accuracy_retention'])} quick")
+    print_table(rows, cheap.name, args.decode_context, args.markdown, console)
+
+
+def _exact(result: dict, task: str) -> str:
+    row = result["tasks"].get(task)
+    return (
+        "-"
+        if row is None
+        else f"{fmt(row['exact_match'], 2)} ({fmt(row['baseline_exact_match'], 2)})"
+    )
+
+
+def print_table(rows: list, cheap: str, context: int, markdown: bool, console: Console) -> None:
+    headers = [
+        "policy",
+        "device bytes / fp16",
+        "host bytes / fp16",
+        f"{cheap} retention",
+        "held-out retention",
+        "passkey exact (fp16)",
+        "multikey exact (fp16)",
+        f"KiB fetched / decode step @{context}",
+        f"decode step / fp16 @{context}",
+    ]
+    lines = []
+    for name, device, host, quick, held, fetched, speed in rows:
+        shown = held or quick
+        lines.append(
+            [
+                name,
+                f"{device:.3f}",
+                f"{host:.3f}",
+                f"{fmt(quick['accuracy_retention'])} ± {fmt(quick['accuracy_retention_stderr'])}",
+                f"{fmt(held['accuracy_retention'])} ± {fmt(held['accuracy_retention_stderr'])}"
+                if held
+                else "-",
+                _exact(shown, "passkey"),
+                _exact(shown, "multikey"),
+                f"{fetched / 1024:.0f}",
+                f"{speed:.2f}",
+            ]
+        )
+    if markdown:
+        print("| " + " | ".join(headers) + " |")
+        print("|" + "---|" * len(headers))
+        for line in lines:
+            print("| " + " | ".join(line) + " |")
+        return
+    table = Table(*headers)
+    for line in lines:
+        table.add_row(*line)
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Query-aware block selection against a loop written from its definition: per query, the
+softmax of each head over the summaries it sees, summed over heads and over each block's
+summaries; the topk best blocks it sees."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels.attention import PagedStream
+from kernels.kv_format import KVFormat
+from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
+from kernels.selection import select_blocks
+
+BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
+
+
+def _stream(lengths: list[int], generator: torch.Generator) -> PagedStream:
+    blocks_per_seq = max(math.ceil(n / BLOCK) for n in lengths)
+    pool = KVPool.allocate(KVFormat("fp32"), len(lengths) * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM)
+    values = torch.randn(pool.num_slots, KV_HEADS, HEAD_DIM, generator=generator) * 2
+    write_vectors_ref(pool, torch.arange(pool.num_slots), values)
+    table = torch.arange(len(lengths) * blocks_per_seq, dtype=torch.int32).view(len(lengths), -1)
+    return PagedStream(
+        pool,
+        pool,
+        table,
+        torch.tensor(lengths, dtype=torch.int32),
+        torch.zeros(len(lengths), dtype=torch.int32),
+    )
+
+
+def _reference(q, seq_of_query, stream, per_block, topk, scale) -> torch.Tensor:
+    rows = []
+    width = max(int(n) for n in stream.lengths) // per_block
+    for query, seq in zip(q, seq_of_query, strict=True):
+        length = int(stream.lengths[seq])
+        slots = torch.tensor(
+            [int(stream.block_table[seq, i // BLOCK]) * BLOCK + i % BLOCK for i in range(length)]
+        )
+        keys = read_vectors_ref(stream.k, slots)  # [L, Hkv, D]
+        mass = torch.zeros(length)
+        for head in range(Q_HEADS):
+            kv_head = head // (Q_HEADS // KV_HEADS)
+            mass += torch.softmax(keys[:, kv_head] @ query[head] * scale, dim=0)
+        per = mass.view(-1, per_block).sum(-1)
+        chosen = torch.zeros(width, dtype=torch.bool)
+        chosen[per.argsort(descending=True)[:topk]] = True
+        rows.append(chosen)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("per_block", [2, 4])
+@pytest.mark.parametrize("topk", [1, 3, 10])
+def test_decode_selection_matches_the_definition(per_block, topk):
+    generator = torch.Generator().manual_seed(per_block * 10 + topk)
+    stream = _stream([24, 8, 16], generator)
+    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=generator)
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    chosen = select_blocks(q, None, starts, stream, per_block, topk, 0.25)
+    expected = _reference(q, [0, 1, 2], stream, per_block, topk, 0.25)
+    assert torch.equal(chosen, expected)
+
+
+def test_prefill_queries_choose_only_among_summaries_they_see():
+    """A query at position p sees summary i (covering positions 2i, 2i + 1) once p >= 2i + 1."""
+    generator = torch.Generator().manual_seed(1)
+    stream = _stream([16], generator)
+    stream = PagedStream(
+        stream.k, stream.v, stream.block_table, stream.lengths, stream.start_positions, 2
+    )
+    positions = torch.arange(40, dtype=torch.int32)
+    q = torch.randn(40, Q_HEADS, HEAD_DIM, generator=generator)
+    starts = torch.tensor([0, 40], dtype=torch.int32)
+    chosen = select_blocks(q, positions, starts, stream, 4, 2, 0.25)  # blocks of 4 summaries
+    for p in range(40):
+        seen_blocks = sum(1 for b in range(4) if 2 * (4 * b + 3) + 1 <= p)
+        assert int(chosen[p].sum()) == min(2, seen_blocks), p
+        assert not chosen[p, seen_blocks:].any(), p
