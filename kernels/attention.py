@@ -53,9 +53,10 @@ class PagedStream:
         forms, each shown to the positions that decode would show it to, so every position
         sees exactly the cache of a decode step there. Decode ignores lifetimes: its cache is
         already in that state.
-    query_mask: bool [num packed queries, >= longest length], or None: which vectors each
-        query may see besides the rules above (CSA selection: a query reads the exact form of
-        the blocks it selected and the summaries of the others). Torch backend only for now.
+    query_mask: bool [num packed queries, num_kv_heads, >= longest length], or None: which
+        vectors each query may see, per KV head, besides the rules above (CSA selection: a
+        query reads the exact form of the blocks it selected and the summaries of the others).
+        Torch backend only for now.
     """
 
     k: KVPool
@@ -85,9 +86,12 @@ class PagedStream:
         if self.position_stride < 1:
             raise ValueError(f"position_stride={self.position_stride}: must be >= 1")
         mask = self.query_mask
-        if mask is not None and (mask.dtype != torch.bool or mask.dim() != 2):
+        if mask is not None and (
+            mask.dtype != torch.bool or mask.dim() != 3 or mask.shape[1] != self.num_kv_heads
+        ):
             raise ValueError(
-                f"query_mask: must be a 2-D bool tensor, got {mask.dtype} {mask.dim()}-D"
+                f"query_mask: must be bool [queries, {self.num_kv_heads} KV heads, length], got "
+                f"{mask.dtype} {tuple(mask.shape)}"
             )
         k_layout = (*self.k.codes.shape[:3], self.k.head_dim)
         v_layout = (*self.v.codes.shape[:3], self.v.head_dim)

@@ -62,7 +62,7 @@ class GroupKeys:
 
     keys: torch.Tensor  # fp32 [S, L, Hkv, D]
     values: torch.Tensor  # fp32 [S, L, Hkv, D]
-    visible: torch.Tensor  # bool [S, C, L]
+    visible: torch.Tensor  # bool [S, 1 or Hkv (a per-KV-head query_mask), C, L]
 
 
 def query_groups(q_seq_starts: torch.Tensor) -> list[QueryGroup]:
@@ -101,8 +101,9 @@ def group_keys(
             visible = visible & (positions >= block_ends[:, None, :] + stream.shown_from)
         if stream.hidden_from is not None:
             visible = visible & (positions < block_ends[:, None, :] + stream.hidden_from)
+    visible = visible[:, None]
     if stream.query_mask is not None:
-        visible = visible & stream.query_mask[group.rows][:, :, :max_len]
+        visible = visible & stream.query_mask[group.rows][..., :max_len].transpose(1, 2)
     return GroupKeys(keys, values, visible)
 
 
@@ -137,12 +138,21 @@ def cache_attention_torch(
             continue
         keys = torch.cat([gathered.keys for gathered, _ in parts], dim=1)
         values = torch.cat([gathered.values for gathered, _ in parts], dim=1)
-        mask = torch.cat([_additive_mask(gathered.visible, bias) for gathered, bias in parts], -1)
+        heads = max(gathered.visible.shape[1] for gathered, _ in parts)
+        mask = torch.cat(
+            [
+                _additive_mask(gathered.visible, bias).expand(-1, heads, -1, -1)
+                for gathered, bias in parts
+            ],
+            -1,
+        )
+        if heads > 1:  # per KV head: each query head takes its KV head's mask
+            mask = mask.repeat_interleave(num_q_heads // heads, dim=1)
         group_out = F.scaled_dot_product_attention(
             q[group.rows].float().transpose(1, 2),
             keys.transpose(1, 2),
             values.transpose(1, 2),
-            attn_mask=mask[:, None],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         ).transpose(1, 2)

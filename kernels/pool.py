@@ -146,16 +146,27 @@ def _whole_token_groups(slots: torch.Tensor, rows: int) -> bool:
 
 
 def copy_blocks(
-    src: KVPool, src_blocks: torch.Tensor, dst: KVPool, dst_blocks: torch.Tensor
+    src: KVPool,
+    src_blocks: torch.Tensor,
+    dst: KVPool,
+    dst_blocks: torch.Tensor,
+    heads: torch.Tensor | None = None,
 ) -> None:
-    """Copy whole blocks, codes and scales as they are, between two pools of one format that
-    may live on different devices (the host tier and the device): no rounding happens."""
+    """Copy blocks, codes and scales as they are, between two pools of one format that may
+    live on different devices (the host tier and the device): no rounding happens. heads:
+    copy only head heads[i] of each pair of blocks (the slices a KV head selected), else whole
+    blocks."""
     if src.fmt != dst.fmt or src.codes.shape[1:] != dst.codes.shape[1:]:
         raise ValueError(f"copy_blocks: pools differ ({src.fmt} and {dst.fmt})")
     if src.fmt.quantized and not torch.equal(src.tensor_scale.cpu(), dst.tensor_scale.cpu()):
         raise ValueError("copy_blocks: pools differ in tensor scale")
-    src_blocks = src_blocks.long().to(src.codes.device)
-    dst_blocks = dst_blocks.long().to(dst.codes.device)
-    dst.codes[dst_blocks] = src.codes[src_blocks].to(dst.codes.device, non_blocking=True)
-    if src.scales is not None:
-        dst.scales[dst_blocks] = src.scales[src_blocks].to(dst.scales.device, non_blocking=True)
+    for source, target in ((src.codes, dst.codes), (src.scales, dst.scales)):
+        if source is None:
+            continue
+        read = src_blocks.long().to(source.device)
+        write = dst_blocks.long().to(target.device)
+        if heads is None:
+            target[write] = source[read].to(target.device, non_blocking=True)
+        else:
+            slices = source[read, :, heads.long().to(source.device)]
+            target[write, :, heads.long().to(target.device)] = slices.to(target.device)

@@ -1,15 +1,22 @@
 """Query-aware block selection for CSA (Quest / NSA style): which older blocks a query reads
 exactly.
 
-Every older block (outside sinks and window) is pooled into block_size / r summary keys that
-stay on the device; they serve as the index. A query scores a block by the attention its
-heads give to that block's summaries (softmax over all summaries the query sees, summed over
-the block's summaries and over every query head: one choice per query, shared by the KV heads,
-so that a selected block is fetched once), and reads exactly the csa_topk best blocks it sees;
-the summaries of those blocks are then hidden from it, so that no block counts twice.
+Every older block (outside sinks and window) keeps a small device index. Each KV head of a
+query chooses on its own (the heads that retrieve and the heads that attend locally want
+different blocks) the csa_topk blocks it scores best among those it sees, and reads them
+exactly; the summaries of those blocks are then hidden from it, so that no block counts twice.
+Two indexes:
+- bounds (Quest): one slot a block holding the per-channel max (in K) and min (in V) of its
+  keys. sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a
+  block holding the one key a query matches scores high whatever its other keys; a query head
+  group scores a block by the largest bound of its query heads.
+- summaries (NSA's compressed branch): the block's pooled keys. Each query head's softmax over
+  all summaries it sees, summed over the block's summaries and the KV head's query heads. No
+  extra bytes, but the mean of r keys dilutes the one key a query looks for.
 
-This is the torch path (both backends call it: it reads only the summaries, a block_size / r
-fraction of the older cache). Decode therefore never scores or gathers the exact older cache.
+This is the torch path (both backends call it: it reads only the index, a 1 / block_size or
+1 / r fraction of the older cache). Decode therefore never scores or gathers the exact older
+cache.
 """
 
 from __future__ import annotations
@@ -20,45 +27,76 @@ import torch
 
 from kernels.attention import PagedStream
 from kernels.attention_torch import group_keys, query_groups
+from kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
+
+
+def write_key_bounds(
+    keys: KVPool, blocks: torch.Tensor, hi_pool: KVPool, lo_pool: KVPool, slots: torch.Tensor
+) -> None:
+    """The per-channel max and min of the keys of each of `blocks` (in the cache's space),
+    written to slots[i] of hi_pool (the K pool) and lo_pool (the V pool) in their formats."""
+    vectors = read_blocks_ref(keys, blocks.long()[:, None])  # [M, block_size, H, D]
+    write_vectors_ref(hi_pool, slots, vectors.amax(dim=1))
+    write_vectors_ref(lo_pool, slots, vectors.amin(dim=1))
+
+
+def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """[S, C, Hkv, L]: per KV head, the largest upper bound of q.k over its query heads.
+    queries [S, C, Hkv, g, D]; hi, lo [S, L, Hkv, D]."""
+    upper = torch.einsum("schgd,slhd->schgl", queries.clamp(min=0), hi)
+    upper += torch.einsum("schgd,slhd->schgl", queries.clamp(max=0), lo)
+    return upper.amax(dim=3)
+
+
+def _summary_scores(
+    queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """[S, C, Hkv, L]: per KV head, the attention its query heads give each summary."""
+    logits = torch.einsum("schgd,slhd->schgl", queries, keys) * scale
+    logits = logits.masked_fill(~visible[:, :, None, None, :], -math.inf)
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=3)
 
 
 def select_blocks(
     q: torch.Tensor,
     q_positions: torch.Tensor | None,
     q_seq_starts: torch.Tensor,
-    summaries: PagedStream,
-    summaries_per_block: int,
+    index: PagedStream,
+    vectors_per_block: int,
     topk: int,
     scale: float,
+    kind: str = "summaries",
 ) -> torch.Tensor:
-    """bool [Nq, blocks]: the older blocks each packed query reads exactly.
+    """bool [Nq, Hkv, blocks]: the older blocks each packed query reads exactly, per KV head.
 
-    q: [Nq, Hq, D] in the cache's (rotated) space; summaries: the step's summary stream, block
-    j's summaries at j * summaries_per_block ... (j + 1) * summaries_per_block - 1; blocks:
-    the most any sequence of the batch has pooled. A query picks among the blocks whose
-    summaries it sees (decode: all of its sequence's), at most topk of them.
+    q: [Nq, Hq, D] in the cache's (rotated) space; index: the step's stream of block bounds
+    (kind "bounds", one vector a block) or summaries (kind "summaries", block j's at
+    j * vectors_per_block ... (j + 1) * vectors_per_block - 1); blocks: the most any sequence
+    of the batch has. A query picks among the blocks whose index vectors it sees (decode: all
+    of its sequence's), at most topk of them.
     """
-    num_blocks = math.ceil(int(summaries.lengths.max()) / summaries_per_block)
-    selected = torch.zeros(q.shape[0], num_blocks, dtype=torch.bool, device=q.device)
+    num_blocks = math.ceil(int(index.lengths.max()) / vectors_per_block)
+    shape = (q.shape[0], index.num_kv_heads, num_blocks)
+    selected = torch.zeros(shape, dtype=torch.bool, device=q.device)
     if num_blocks == 0:
         return selected
     num_heads, head_dim = q.shape[1], q.shape[2]
     for group in query_groups(q_seq_starts):
-        gathered = group_keys(summaries, group, q_positions)
+        gathered = group_keys(index, group, q_positions)
         if gathered is None:
             continue
         seqs, length, kv_heads, _ = gathered.keys.shape
-        queries = q[group.rows].float()  # [S, C, Hq, D]
-        per_kv = queries.view(seqs, -1, kv_heads, num_heads // kv_heads, head_dim)
-        logits = torch.einsum("schgd,slhd->schgl", per_kv, gathered.keys) * scale
-        visible = gathered.visible  # [S, C, L]
-        logits = logits.masked_fill(~visible[:, :, None, None, :], -math.inf)
-        mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=(2, 3))  # [S, C, L]
-        blocks = length // summaries_per_block
-        block_mass = mass.view(seqs, -1, blocks, summaries_per_block).sum(-1)
-        block_seen = visible.view(seqs, -1, blocks, summaries_per_block).all(-1)
-        scores = block_mass.masked_fill(~block_seen, -1.0)
-        best = scores.topk(min(topk, blocks), dim=-1).indices
-        chosen = torch.zeros_like(block_seen).scatter(-1, best, True) & block_seen
-        selected[group.rows.flatten(), :blocks] = chosen.flatten(0, 1)
+        queries = q[group.rows].float().view(seqs, -1, kv_heads, num_heads // kv_heads, head_dim)
+        visible = gathered.visible[:, 0]  # [S, C, L]: an index stream has no query_mask
+        if kind == "bounds":
+            scores = _bound_scores(queries, gathered.keys, gathered.values)
+        else:
+            scores = _summary_scores(queries, gathered.keys, visible, scale)
+        blocks = length // vectors_per_block
+        block_scores = scores.view(seqs, -1, kv_heads, blocks, vectors_per_block).sum(-1)
+        block_seen = visible.view(seqs, -1, 1, blocks, vectors_per_block).all(-1)
+        block_scores = block_scores.masked_fill(~block_seen, -math.inf)
+        best = block_scores.topk(min(topk, blocks), dim=-1).indices
+        chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best, True)
+        selected[group.rows.flatten(), :, :blocks] = (chosen & block_seen).flatten(0, 1)
     return selected

@@ -17,8 +17,8 @@ lists them, and the cache shows each to the positions that decode would show it 
 With selection (policy.selects) a block pooled into summaries is also copied into the host
 tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), and the sequence
 holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer fetches the
-blocks its queries select (`SequenceKV.staged`: per layer, the host block each staging block
-holds).
+blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host block whose
+head slice each staging block holds).
 The manager only decides; the KV cache executes the returned copy operations on every layer and
 then calls `release` for their source blocks.
 """
@@ -99,8 +99,9 @@ class SequenceKV:
     num_tokens: int = 0
     retiring: list[RetiringBlock] = field(default_factory=list)
     host_blocks: list[int] = field(default_factory=list)
+    bound_blocks: list[int] = field(default_factory=list)
     staging_blocks: list[int] = field(default_factory=list)
-    staged: dict[int, dict[int, int]] = field(default_factory=dict)
+    staged: dict[int, list[dict[int, int]]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class BlockCopy:
 
     ratio 1 is a (re)quantizing copy, used when a block leaves the fp16 recent region, or the
     copy of a pooled block into the host tier (which leaves the source to its pooling copy).
+    op "bounds" writes the block's per-channel key max (K) and min (V) into one slot instead.
     The source block is released once every layer has executed the copy, if frees_source.
     """
 
@@ -119,6 +121,7 @@ class BlockCopy:
     ratio: int
     dst_kind: str = MAIN
     frees_source: bool = True
+    op: str = "mean"
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ class BlockManager:
         peak_main = newly_compressed + max(
             self._main_blocks_before_attention(end), after.quantized + after.summary
         )
-        peak_main += after.staging
+        peak_main += after.staging + after.bounds
         peak_recent = held[RECENT]
         if self.tail_kind == RECENT:
             peak_recent += self._new_tail_blocks(kv, num_new)
@@ -212,7 +215,7 @@ class BlockManager:
 
     def held(self, kv: SequenceKV) -> dict[str, int]:
         counts = {
-            MAIN: len(kv.summary_blocks) + len(kv.staging_blocks),
+            MAIN: len(kv.summary_blocks) + len(kv.staging_blocks) + len(kv.bound_blocks),
             RECENT: 0,
             HOST: len(kv.host_blocks),
         }
@@ -260,19 +263,31 @@ class BlockManager:
                 dst_slots.append(kv.summary_blocks[index // bs] * bs + index % bs)
                 kv.num_summaries += 1
             if policy.selects:
-                copies.append(self._keep_on_host(kv, source))
+                copies.extend(self._keep_on_host(kv, source))
             copies.append(BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio))
         return copies
 
-    def _keep_on_host(self, kv: SequenceKV, source: Block) -> BlockCopy:
-        """Copy a block being pooled into the host tier, and grow the staging pool with it."""
+    def _keep_on_host(self, kv: SequenceKV, source: Block) -> list[BlockCopy]:
+        """Copy a block being pooled into the host tier (and its key bounds into the index),
+        and grow the staging pool with it."""
         bs = self.policy.block_size
         host = self.pools[HOST].allocate()
         kv.host_blocks.append(host)
         if len(kv.staging_blocks) < min(self.policy.csa_topk, len(kv.host_blocks)):
             kv.staging_blocks.append(self.pools[MAIN].allocate())
         slots = tuple(range(host * bs, (host + 1) * bs))
-        return BlockCopy(source.kind, source.block_id, slots, 1, HOST, frees_source=False)
+        copies = [BlockCopy(source.kind, source.block_id, slots, 1, HOST, frees_source=False)]
+        if self.policy.csa_index == "bounds":
+            index = len(kv.host_blocks) - 1
+            if index // bs == len(kv.bound_blocks):
+                kv.bound_blocks.append(self.pools[MAIN].allocate())
+            slot = kv.bound_blocks[index // bs] * bs + index % bs
+            copies.append(
+                BlockCopy(
+                    source.kind, source.block_id, (slot,), bs, frees_source=False, op="bounds"
+                )
+            )
+        return copies
 
     def _demote(self, kv: SequenceKV, upto: int) -> list[BlockCopy]:
         """Quantize recent blocks that are done and hold none of the last recent_unquantized
@@ -315,7 +330,7 @@ class BlockManager:
         """Return every block of a finished or preempted sequence."""
         for block in kv.sinks.blocks + kv.window.blocks:
             self.pools[block.kind].release(block.block_id)
-        for block_id in kv.summary_blocks + kv.staging_blocks:
+        for block_id in kv.summary_blocks + kv.staging_blocks + kv.bound_blocks:
             self.pools[MAIN].release(block_id)
         for block_id in kv.host_blocks:
             self.pools[HOST].release(block_id)
@@ -323,5 +338,6 @@ class BlockManager:
         kv.window.blocks.clear()
         kv.summary_blocks.clear()
         kv.staging_blocks.clear()
+        kv.bound_blocks.clear()
         kv.host_blocks.clear()
         kv.staged.clear()

@@ -18,7 +18,8 @@ total here is counted in blocks.
 With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy in the host
 tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
-host bytes the tier.
+host bytes the tier. With csa_index = bounds each pooled block also keeps one device slot of
+key bounds (max in K, min in V) in the layer's format, packed block_size to a block.
 """
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ class SequenceBlocks:
     summary: int
     staging: int = 0
     host: int = 0
+    bounds: int = 0
 
     @property
     def main(self) -> int:
-        """Device blocks in the layer's format: exact, summaries and the staging pool."""
-        return self.quantized + self.summary + self.staging
+        """Device blocks in the layer's format: exact, summaries, key bounds and the staging
+        pool."""
+        return self.quantized + self.summary + self.staging + self.bounds
 
     @property
     def total(self) -> int:
@@ -122,6 +125,7 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
         summary=summary,
         staging=min(policy.csa_topk, host),
         host=host,
+        bounds=ceil_div(host, bs) if policy.csa_index == "bounds" else 0,
     )
 
 

@@ -37,7 +37,7 @@ from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, copy_blocks
 from kernels.rope_align import summary_alignment
 from kernels.rotation import rotate, rotation_matrix, unrotate
-from kernels.selection import select_blocks
+from kernels.selection import select_blocks, write_key_bounds
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
 from runtime.block_manager import HOST, MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
@@ -76,6 +76,7 @@ class CopyGroup:
     src_kind: str
     ratio: int
     dst_kind: str
+    op: str
     src_blocks: torch.Tensor
     dst_slots: torch.Tensor
 
@@ -240,7 +241,7 @@ class KVCache:
         once csa_window tokens do (straight from its recent copy if that comes first)."""
         recent, window = self.policy.recent_unquantized, self.policy.csa_window
         pooled = window if self.policy.compressed and name == "window" else None
-        if name in ("summary", "host"):
+        if name in ("summary", "host", "bounds"):
             return window, None
         if kind == RECENT:
             return None, min(recent, pooled) if pooled is not None else recent
@@ -259,11 +260,15 @@ class KVCache:
             if self.policy.selects:
                 host = (kv.host_blocks, len(kv.host_blocks) * bs, self.policy.csa_sinks)
                 rows[("host", HOST)].append(host)
+            if self.policy.selects and self.policy.csa_index == "bounds":
+                bounds = (kv.bound_blocks, len(kv.host_blocks), self.policy.csa_sinks)
+                rows[("bounds", MAIN)].append(bounds)
         specs = []
         for (name, kind), per_seq in rows.items():
             if not any(length for _, length, _ in per_seq):
                 continue
             summary = name == "summary"
+            stride = {"summary": ratio, "bounds": bs}.get(name, 1)
             shown_from, hidden_from = self._lifetime(name, kind)
             specs.append(
                 StreamSpec(
@@ -272,7 +277,7 @@ class KVCache:
                     block_table=self._block_table([ids for ids, _, _ in per_seq]),
                     lengths=self._int32([length for _, length, _ in per_seq]),
                     start_positions=self._int32([start for _, _, start in per_seq]),
-                    position_stride=ratio if summary else 1,
+                    position_stride=stride,
                     logit_bias=math.log(ratio) if summary else 0.0,
                     shown_from=shown_from,
                     hidden_from=hidden_from,
@@ -283,26 +288,36 @@ class KVCache:
     def _copy_groups(self, copies: list[BlockCopy]) -> list[CopyGroup]:
         """Copies grouped by (source kind, ratio, destination kind), in first-seen order: a block
         demoted and pooled in one maintenance is pooled from its demoted codes."""
-        groups: dict[tuple[str, int, str], list[BlockCopy]] = defaultdict(list)
+        groups: dict[tuple[str, int, str, str], list[BlockCopy]] = defaultdict(list)
         for copy in copies:
-            groups[(copy.src_kind, copy.ratio, copy.dst_kind)].append(copy)
+            groups[(copy.src_kind, copy.ratio, copy.dst_kind, copy.op)].append(copy)
         return [
             CopyGroup(
                 src_kind,
                 ratio,
                 dst_kind,
+                op,
                 self._int32([c.src_block for c in group]),
                 torch.tensor(
                     [s for c in group for s in c.dst_slots], dtype=torch.int64, device=self.device
                 ),
             )
-            for (src_kind, ratio, dst_kind), group in groups.items()
+            for (src_kind, ratio, dst_kind, op), group in groups.items()
         ]
 
     def _run_copies(self, layer: int, groups: list[CopyGroup]) -> None:
         pools = self.layers[layer]
         bs = self.policy.block_size
         for group in groups:
+            if group.op == "bounds":
+                write_key_bounds(
+                    pools.k[group.src_kind],
+                    group.src_blocks,
+                    pools.k[MAIN],
+                    pools.v[MAIN],
+                    group.dst_slots,
+                )
+                continue
             for by_kind, align in ((pools.k, self.alignments[layer]), (pools.v, None)):
                 source, target = by_kind[group.src_kind], by_kind[group.dst_kind]
                 if group.dst_kind == HOST and source.fmt == target.fmt:
@@ -359,9 +374,10 @@ class KVCache:
             for spec in layout.streams
         }
         positions = None if layout.decode_only else layout.q_positions
+        index = streams.pop("bounds" + MAIN, None)  # read by selection, not attended
         summaries = streams.get("summary" + MAIN)
         if summaries is not None and self.policy.selects:
-            self._select(layer, layout, q, positions, scale, streams)
+            self._select(layer, layout, q, positions, scale, streams, index or summaries)
         out = self.ops.attention(
             q, positions, layout.q_seq_starts, list(streams.values()), scale, layout.max_q_len
         )
@@ -377,9 +393,11 @@ class KVCache:
         positions: torch.Tensor | None,
         scale: float,
         streams: dict[str, PagedStream],
+        index: PagedStream,
     ) -> None:
-        """Each query's csa_topk older blocks: their summaries hidden from it, their exact form
-        shown (in place in the host tier for a prefill step, fetched for a decode step)."""
+        """Each query's csa_topk older blocks, scored on `index` (key bounds or summaries):
+        their summaries hidden from it, their exact form shown (in place in the host tier for a
+        prefill step, fetched for a decode step)."""
         policy = self.policy
         bs = policy.block_size
         per_block = bs // policy.csa_ratio
@@ -388,18 +406,19 @@ class KVCache:
             q,
             positions,
             layout.q_seq_starts,
-            streams[summary_key],
-            per_block,
+            index,
+            per_block if policy.csa_index == "summaries" else 1,
             policy.csa_topk,
             scale,
+            policy.csa_index,
         )
         streams[summary_key] = dataclasses.replace(
-            streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=1)
+            streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=2)
         )
         host = streams.pop(host_key)
         if positions is not None:
             streams[host_key] = dataclasses.replace(
-                host, query_mask=chosen.repeat_interleave(bs, dim=1)
+                host, query_mask=chosen.repeat_interleave(bs, dim=2)
             )
             return
         staged = [
@@ -414,26 +433,31 @@ class KVCache:
             host.start_positions,
         )
 
-    def _fetch(self, layer: int, kv: SequenceKV, chosen: list[bool]) -> list[int]:
-        """Staging blocks holding the chosen host blocks of one sequence in one layer, fetching
-        those not staged yet into staging blocks whose block is no longer chosen."""
-        wanted = [kv.host_blocks[i] for i, pick in enumerate(chosen) if pick]
-        staged = kv.staged.setdefault(layer, {})  # staging block -> host block it holds
-        holding = {host: staging for staging, host in staged.items()}
-        free = [b for b in kv.staging_blocks if staged.get(b) not in wanted]
-        missing = [host for host in wanted if host not in holding]
-        if missing:
-            targets = free[: len(missing)]
+    def _fetch(self, layer: int, kv: SequenceKV, chosen: list[list[bool]]) -> list[int]:
+        """The staging blocks of one sequence in one layer, each KV head's slice of them
+        holding a block that head chose: slices not staged yet are fetched from the host tier
+        into slices whose block that head no longer chose. A decode query sees every older
+        block, so each head chose min(csa_topk, blocks): exactly the staging blocks."""
+        heads = len(chosen)
+        staged = kv.staged.setdefault(layer, [{} for _ in range(heads)])
+        reads, writes, slices = [], [], []
+        for head, picks in enumerate(chosen):
+            wanted = {kv.host_blocks[i] for i, pick in enumerate(picks) if pick}
+            holds = staged[head]  # staging block -> host block whose slice it holds
+            free = [b for b in kv.staging_blocks if holds.get(b) not in wanted]
+            missing = sorted(wanted - set(holds.values()))
+            for host, staging in zip(missing, free, strict=False):
+                holds[staging] = host
+                reads.append(host)
+                writes.append(staging)
+                slices.append(head)
+        if reads:
             pools = self.layers[layer]
-            src = torch.tensor(missing, dtype=torch.int64)
-            dst = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            index = [torch.tensor(x, dtype=torch.int64) for x in (reads, writes, slices)]
             for by_kind in (pools.k, pools.v):
-                copy_blocks(by_kind[HOST], src, by_kind[MAIN], dst)
-            for host, staging in zip(missing, targets, strict=True):
-                staged[staging] = host
-                holding[host] = staging
-            self.fetched_bytes += len(missing) * self.layer_bytes[layer]
-        return [holding[host] for host in wanted]
+                copy_blocks(by_kind[HOST], index[0], by_kind[MAIN], index[1], index[2])
+            self.fetched_bytes += len(reads) * self.layer_bytes[layer] // heads
+        return list(kv.staging_blocks)
 
     def apply_copies(self, copies: list[BlockCopy]) -> None:
         """Execute compressions and recent->main moves on every layer (sources freed by caller)."""

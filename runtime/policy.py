@@ -34,6 +34,10 @@ PER_TENSOR = "tensor"
 # How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
 # pooled before RoPE; kernels/rope_align.py), or averaged as cached (post_rope, the old way).
 CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope")
+# What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
+# slot a block: the max in K, the min in V), or its summaries (no extra bytes, but a mean
+# dilutes the one token a query looks for).
+CSA_INDEXES: tuple[str, ...] = ("bounds", "summaries")
 
 
 def _field(name: str) -> str:
@@ -94,6 +98,9 @@ class KVPolicy:
         not cancel them) or post_rope (the mean of the cached keys).
     csa_topk: older blocks (outside sinks and window) each query reads exactly, chosen per
         query and layer by its attention to their summaries (0 = none: summaries only).
+    csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
+        its per-channel key max and min, kept in one device slot a block; Quest) or summaries
+        (the attention its summaries get; no extra bytes).
     csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
         CPU has a second pool), from which selected blocks are fetched into a device staging
         pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
@@ -120,6 +127,7 @@ class KVPolicy:
     csa_sinks: int = 16
     csa_summary: str = "pre_rope"
     csa_topk: int = 0
+    csa_index: str = "bounds"
     csa_host: bool = False
     block_size: int = 16
     chunk_size: int = 512
@@ -239,6 +247,10 @@ class KVPolicy:
         """Selection reads exact older blocks, which only the host tier keeps, and the tier
         is read only by selection."""
         _check_int("csa_topk", self.csa_topk, 0)
+        if self.csa_index not in CSA_INDEXES:
+            raise ConfigError(
+                _field("csa_index"), self.csa_index, f"one of {', '.join(CSA_INDEXES)}"
+            )
         if not isinstance(self.csa_host, bool):
             raise ConfigError(_field("csa_host"), self.csa_host, "true or false")
         if self.csa_topk and self.csa_ratio == 1:

@@ -1,6 +1,6 @@
-"""Query-aware block selection against a loop written from its definition: per query, the
-softmax of each head over the summaries it sees, summed over heads and over each block's
-summaries; the topk best blocks it sees."""
+"""Query-aware block selection against a loop written from its definition: per query and KV
+head, the softmax of each query head over the summaries it sees, summed over the query heads
+of that KV head and over each block's summaries; the topk best blocks it sees."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from kernels.attention import PagedStream
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
-from kernels.selection import select_blocks
+from kernels.selection import select_blocks, write_key_bounds
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
 
@@ -41,13 +41,14 @@ def _reference(q, seq_of_query, stream, per_block, topk, scale) -> torch.Tensor:
             [int(stream.block_table[seq, i // BLOCK]) * BLOCK + i % BLOCK for i in range(length)]
         )
         keys = read_vectors_ref(stream.k, slots)  # [L, Hkv, D]
-        mass = torch.zeros(length)
+        mass = torch.zeros(KV_HEADS, length)
         for head in range(Q_HEADS):
             kv_head = head // (Q_HEADS // KV_HEADS)
-            mass += torch.softmax(keys[:, kv_head] @ query[head] * scale, dim=0)
-        per = mass.view(-1, per_block).sum(-1)
-        chosen = torch.zeros(width, dtype=torch.bool)
-        chosen[per.argsort(descending=True)[:topk]] = True
+            mass[kv_head] += torch.softmax(keys[:, kv_head] @ query[head] * scale, dim=0)
+        chosen = torch.zeros(KV_HEADS, width, dtype=torch.bool)
+        for kv_head in range(KV_HEADS):
+            per = mass[kv_head].view(-1, per_block).sum(-1)
+            chosen[kv_head, per.argsort(descending=True)[:topk]] = True
         rows.append(chosen)
     return torch.stack(rows)
 
@@ -77,5 +78,57 @@ def test_prefill_queries_choose_only_among_summaries_they_see():
     chosen = select_blocks(q, positions, starts, stream, 4, 2, 0.25)  # blocks of 4 summaries
     for p in range(40):
         seen_blocks = sum(1 for b in range(4) if 2 * (4 * b + 3) + 1 <= p)
-        assert int(chosen[p].sum()) == min(2, seen_blocks), p
-        assert not chosen[p, seen_blocks:].any(), p
+        for kv_head in range(KV_HEADS):
+            assert int(chosen[p, kv_head].sum()) == min(2, seen_blocks), p
+        assert not chosen[p, :, seen_blocks:].any(), p
+
+
+def _bounds_reference(q, stream, topk) -> torch.Tensor:
+    """Quest's rule from its definition: per query head, sum_d max(q_d hi_d, q_d lo_d) with
+    hi/lo each block's stored bounds (K holds hi, V holds lo); a KV head takes its query
+    heads' largest; the topk best blocks."""
+    rows = []
+    for seq, query in enumerate(q):
+        length = int(stream.lengths[seq])
+        slots = torch.tensor(
+            [int(stream.block_table[seq, i // BLOCK]) * BLOCK + i % BLOCK for i in range(length)]
+        )
+        hi, lo = read_vectors_ref(stream.k, slots), read_vectors_ref(stream.v, slots)
+        chosen = torch.zeros(KV_HEADS, max(int(n) for n in stream.lengths), dtype=torch.bool)
+        for kv_head in range(KV_HEADS):
+            best = torch.full((length,), -math.inf)
+            for head in range(Q_HEADS):
+                if head // (Q_HEADS // KV_HEADS) != kv_head:
+                    continue
+                upper = torch.maximum(query[head] * hi[:, kv_head], query[head] * lo[:, kv_head])
+                best = torch.maximum(best, upper.sum(-1))
+            chosen[kv_head, best.argsort(descending=True)[:topk]] = True
+        rows.append(chosen)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_bounds_selection_matches_quest_rule(topk):
+    generator = torch.Generator().manual_seed(topk)
+    stream = _stream([24, 8, 16], generator)
+    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=generator)
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    chosen = select_blocks(q, None, starts, stream, 1, topk, 0.25, "bounds")
+    assert torch.equal(chosen, _bounds_reference(q, stream, topk))
+
+
+def test_key_bounds_hold_every_key_of_their_block():
+    """hi >= every key >= lo, channel by channel, and both are attained (fp32 pools)."""
+    generator = torch.Generator().manual_seed(3)
+    keys = KVPool.allocate(KVFormat("fp32"), 3, BLOCK, KV_HEADS, HEAD_DIM)
+    vectors = torch.randn(keys.num_slots, KV_HEADS, HEAD_DIM, generator=generator)
+    write_vectors_ref(keys, torch.arange(keys.num_slots), vectors)
+    hi = KVPool.allocate(KVFormat("fp32"), 1, BLOCK, KV_HEADS, HEAD_DIM)
+    lo = KVPool.allocate(KVFormat("fp32"), 1, BLOCK, KV_HEADS, HEAD_DIM)
+    write_key_bounds(keys, torch.tensor([2, 0]), hi, lo, torch.tensor([5, 1]))
+    for block, slot in ((2, 5), (0, 1)):
+        mine = vectors[block * BLOCK : (block + 1) * BLOCK]
+        top = read_vectors_ref(hi, torch.tensor([slot]))[0]
+        bottom = read_vectors_ref(lo, torch.tensor([slot]))[0]
+        assert torch.equal(top, mine.max(dim=0).values)
+        assert torch.equal(bottom, mine.min(dim=0).values)

@@ -75,8 +75,9 @@ POLICIES = {
         csa_host=True,
         block_size=BLOCK,
     ),
-    # Selection with summaries pooled as cached (post-RoPE), from fp16 recent copies.
+    # Selection scored on summaries pooled as cached (post-RoPE), from fp16 recent copies.
     "csa_select_post_rope_recent": KVPolicy(
+        csa_index="summaries",
         k_dtype="int4",
         v_dtype="fp8",
         group_size=16,
