@@ -19,12 +19,12 @@ import time
 
 import torch
 from rich.console import Console
-from rich.table import Table
 
 from autotune.cache import JsonCache, default_cache_folder
 from autotune.evaluation import load_suite
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.formats import FP16, bytes_ratio
+from benchmarks.tables import print_rows
 from runtime import LLM
 from runtime.arch import arch_from_folder
 from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
@@ -42,14 +42,16 @@ def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
 POLICIES: dict[str, KVPolicy] = {
     "fp16": FP16,
     "fp8": FP8,
-    "fp8 csa4 w256 post-RoPE (before)": _csa(FP8, 4, 256, csa_summary="post_rope"),
-    "fp8 csa4 w256 pre-RoPE": _csa(FP8, 4, 256),
+    # Pooling only (no host tier), at equal bytes: the summaries before and after the fix.
     "fp8 csa8 w256 post-RoPE (before)": _csa(FP8, 8, 256, csa_summary="post_rope"),
     "fp8 csa8 w256 pre-RoPE": _csa(FP8, 8, 256),
-    "fp8 csa8 w256 + top8 host": _csa(FP8, 8, 256, csa_topk=8, csa_host=True),
-    "fp8 csa16 w128 + top8 host": _csa(FP8, 16, 128, csa_topk=8, csa_host=True),
-    "int4 rotated csa8 w256 + top8 host": _csa(INT4, 8, 256, csa_topk=8, csa_host=True),
-    "int4 rotated csa16 w128 + top8 host": _csa(INT4, 16, 128, csa_topk=8, csa_host=True),
+    # Query-aware selection over the host tier, scored on key bounds or on summaries.
+    "fp8 csa16 w256 + top32 host": _csa(FP8, 16, 256, csa_topk=32, csa_host=True),
+    "fp8 csa16 w256 + top32 host (summary index)": _csa(
+        FP8, 16, 256, csa_topk=32, csa_host=True, csa_index="summaries"
+    ),
+    "fp8 csa16 w256 + top48 host": _csa(FP8, 16, 256, csa_topk=48, csa_host=True),
+    "int4 rotated csa16 w128 + top32 host": _csa(INT4, 16, 128, csa_topk=32, csa_host=True),
 }
 
 
@@ -153,16 +155,7 @@ def print_table(rows: list, cheap: str, context: int, markdown: bool, console: C
                 f"{speed:.2f}",
             ]
         )
-    if markdown:
-        print("| " + " | ".join(headers) + " |")
-        print("|" + "---|" * len(headers))
-        for line in lines:
-            print("| " + " | ".join(line) + " |")
-        return
-    table = Table(*headers)
-    for line in lines:
-        table.add_row(*line)
-    console.print(table)
+    print_rows(headers, lines, markdown, console)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ decides (held-out retention >= 0.9, constraints.min_retention)?
 
 For 25 policies across the space (the first 14 meant for the decision region: fp8 at group
 sizes and per tensor, K fp8 / V fp4 at g16/g32/g64, recent windows, per-layer mixes; then
-int8, int4 with and without a Hadamard rotation and per-channel keys, fp4, CSA and per-tensor fp4), each policy's
+int8, int4 with and without a Hadamard rotation and per-channel keys, fp4, CSA and per-tensor
+fp4), each policy's
 accuracy retention on the default `quick` suite is compared with its mean retention over
 held-out seeds of the `heldout` preset (other documents and needles, 1.5x the context, more
 haystacks; `--heldout-seeds 1,2`). Reported:

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import yaml
 from rich.console import Console
-from rich.table import Table
 
 from autotune.cache import JsonCache, default_cache_folder
 from autotune.evaluation import load_suite
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
+from benchmarks.tables import print_rows
 from runtime.arch import ModelArch, arch_from_folder
 from runtime.kv_bytes import kv_bytes_per_sequence
 from runtime.model_source import resolve_model
@@ -148,16 +148,7 @@ def print_table(markdown: bool, cheap_name: str, rows: list, console: Console) -
         for name, ratio, quick, held in sorted(rows, key=lambda row: row[1])
         for shown in [held or quick]
     ]
-    if markdown:
-        print("| " + " | ".join(headers) + " |")
-        print("|" + "---|" * len(headers))
-        for line in lines:
-            print("| " + " | ".join(line) + " |")
-        return
-    table = Table(*headers)
-    for line in lines:
-        table.add_row(*line)
-    console.print(table)
+    print_rows(headers, lines, markdown, console)
 
 
 if __name__ == "__main__":

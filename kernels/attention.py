@@ -56,7 +56,6 @@ class PagedStream:
     query_mask: bool [num packed queries, num_kv_heads, >= longest length], or None: which
         vectors each query may see, per KV head, besides the rules above (CSA selection: a
         query reads the exact form of the blocks it selected and the summaries of the others).
-        Torch backend only for now.
     """
 
     k: KVPool
@@ -148,6 +147,7 @@ def _stream_attention_kernel(
     block_table_ptr,
     lengths_ptr,
     start_positions_ptr,
+    query_mask_ptr,
     out_ptr,
     lse_ptr,
     scale_log2,
@@ -159,6 +159,8 @@ def _stream_attention_kernel(
     stride_q_token,
     stride_q_head,
     stride_block_table,
+    stride_mask_token,
+    stride_mask_head,
     stride_out_split,
     stride_lse_split,
     NUM_Q_HEADS: tl.constexpr,
@@ -166,6 +168,7 @@ def _stream_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
     K_CODE: tl.constexpr,
     K_GROUP_SIZE: tl.constexpr,
     K_SCALE_DTYPE: tl.constexpr,
@@ -248,6 +251,12 @@ def _stream_attention_kernel(
             )
             seen = seen & (q_positions[:, None] >= block_ends[None, :] + shown_from)
             seen = seen & (q_positions[:, None] < block_ends[None, :] + hidden_from)
+        if MASKED:  # CSA selection: which keys each query token may read, per KV head
+            mask_rows = tokens * stride_mask_token + kv_head * stride_mask_head
+            allowed = tl.load(
+                query_mask_ptr + mask_rows[:, None] + keys[None, :], mask=seen, other=0
+            )
+            seen = seen & (allowed != 0)
         logits = tl.where(seen, logits, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, 1))
         # A row that has seen no key yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
@@ -321,6 +330,10 @@ def paged_attention_partials(
     if num_tokens == 0 or row_tiles == 0:
         return out, lse
     shown_from, hidden_from = stream.lifetime
+    mask = stream.query_mask
+    if mask is not None and (mask.shape[0] != num_tokens or mask.stride(-1) != 1):
+        raise ValueError(f"query_mask: must be unit-strided [{num_tokens}, Hkv, length]")
+    mask_bytes = None if mask is None else mask.view(torch.uint8)
     grid = (stream.num_seqs, stream.num_kv_heads, row_tiles * num_splits)
     _stream_attention_kernel[grid](
         q,
@@ -336,6 +349,7 @@ def paged_attention_partials(
         stream.block_table,
         stream.lengths,
         stream.start_positions,
+        mask_bytes if mask_bytes is not None else stream.lengths,
         out,
         lse,
         scale * LOG2_E,
@@ -347,6 +361,8 @@ def paged_attention_partials(
         q.stride(0),
         q.stride(1),
         stream.block_table.stride(0),
+        mask.stride(0) if mask is not None else 0,
+        mask.stride(1) if mask is not None else 0,
         out.stride(0),
         lse.stride(0),
         NUM_Q_HEADS=num_q_heads,
@@ -354,6 +370,7 @@ def paged_attention_partials(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=stream.block_size,
         CAUSAL=q_positions is not None,
+        MASKED=mask is not None,
         **format_switches(stream.k.fmt, "K_"),
         **format_switches(stream.v.fmt, "V_"),
         DOT_PRECISION=dot_precision,

@@ -25,7 +25,6 @@ from kernels.attention_torch import cache_attention_torch
 from kernels.cache_write import write_kv, write_kv_ref
 from kernels.compress import compress_blocks, compress_blocks_ref
 from runtime.errors import ConfigError
-from runtime.policy import KVPolicy
 
 
 @dataclass(frozen=True)
@@ -35,9 +34,6 @@ class CacheOps:
     # fp32 [Nq, Hq, D] of packed queries over a list of streams that together are each
     # sequence's cache; positions None = decode.
     attention: Callable
-    name: str
-    # Whether attention honours PagedStream.query_mask (CSA selection).
-    query_masks: bool = False
 
 
 def cache_attention_triton(
@@ -63,28 +59,12 @@ def cache_attention_triton(
 
 
 BACKENDS: dict[str, CacheOps] = {
-    "torch": CacheOps(
-        write_kv_ref, compress_blocks_ref, cache_attention_torch, "torch", query_masks=True
-    ),
-    "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton, "triton"),
+    "torch": CacheOps(write_kv_ref, compress_blocks_ref, cache_attention_torch),
+    "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton),
     "triton_tf32": CacheOps(
-        write_kv,
-        compress_blocks,
-        partial(cache_attention_triton, dot_precision="tf32"),
-        "triton_tf32",
+        write_kv, compress_blocks, partial(cache_attention_triton, dot_precision="tf32")
     ),
 }
-
-
-def check_policy_support(ops: CacheOps, policy: KVPolicy) -> None:
-    """Refuse, before any weight is loaded, a policy the backend cannot run."""
-    if policy.selects and not ops.query_masks:
-        supported = ", ".join(name for name, o in BACKENDS.items() if o.query_masks)
-        raise ConfigError(
-            "backend",
-            ops.name,
-            f"one of {supported} when policy.csa_topk > 0 (CSA selection runs on the torch path)",
-        )
 
 
 def cache_ops(backend: str) -> CacheOps:

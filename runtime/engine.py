@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from runtime.arch import ModelArch
-from runtime.backends import CacheOps, check_policy_support
+from runtime.backends import CacheOps
 from runtime.block_manager import MAIN, RECENT, BlockManager, SequenceKV
 from runtime.errors import ConfigError
 from runtime.kv_bytes import ceil_div, main_block_bytes, sequence_blocks
@@ -145,7 +145,6 @@ class Engine:
         self.policy = policy
         self.config = config
         self.device = device
-        check_policy_support(ops, policy)
         sizes = pool_sizes(arch, policy, config)
         self.block_bytes = block_bytes(arch, policy)
         self.blocks = BlockManager(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from runtime.arch import arch_from_folder
-from runtime.backends import cache_ops, check_policy_support
+from runtime.backends import cache_ops
 from runtime.calibration import calibrate_tensor_scales, calibration_token_ids
 from runtime.dtypes import DTYPE_NAMES, compute_dtype_name
 from runtime.engine import Engine, EngineConfig, pool_sizes
@@ -78,7 +78,6 @@ class LLM:
     ) -> None:
         self.policy = as_policy(policy)
         ops = cache_ops(backend)
-        check_policy_support(ops, self.policy)
         compute_dtype_name(dtype)  # a misspelt dtype fails before the model is looked up
         folder = resolve_model(model)
         checkpoint = arch_from_folder(folder)

@@ -24,10 +24,11 @@ from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.policy import (
     BLOCK_SIZES,
+    CSA_INDEXES,
+    CSA_SUMMARIES,
     K_SCALE_AXES,
     KV_DTYPES,
     NO_ROTATION,
-    CSA_SUMMARIES,
     PER_TENSOR,
     ROTATION_NAMES,
     SCALE_DTYPES,
@@ -49,12 +50,13 @@ KNOB_NAMES = (
     "csa_sinks",
     "csa_summary",
     "csa_topk",
+    "csa_index",
     "block_size",
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
 # Knobs added after studies began: a conf/search without them keeps the policy default.
-OPTIONAL_KNOBS = ("k_scale_axis", "rotation", "csa_summary", "csa_topk")
+OPTIONAL_KNOBS = ("k_scale_axis", "rotation", "csa_summary", "csa_topk", "csa_index")
 
 
 def _field(name: str) -> str:
@@ -180,6 +182,12 @@ class SearchConfig:
             "csa_topk", k["csa_topk"], lambda v: _is_int(v, 0), "integers >= 0 (blocks; 0 = none)"
         )
         _check_each(
+            "csa_index",
+            k["csa_index"],
+            CSA_INDEXES.__contains__,
+            f"one of {', '.join(CSA_INDEXES)}",
+        )
+        _check_each(
             "csa_summary",
             k["csa_summary"],
             CSA_SUMMARIES.__contains__,
@@ -292,7 +300,9 @@ class SearchSpace:
         baseline: the most precise dtype everywhere, no compression; all-fp8; fp4 in the
         shallow half of the layers (by group mean depth) with fp8 in the deep half; K fp8 with
         V fp4; int4 with per-channel keys over 32-token blocks, values in groups of 64, both
-        Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py). Other knobs take the
+        Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py); fp8 with CSA 16:1 over a
+        256-token window and 32 blocks a query selected from the host tier
+        (benchmarks/compression.py). Other knobs take the
         KVPolicy default where it is a candidate, else the first; a start whose own knob values
         are not candidates is left out.
         """
@@ -314,6 +324,7 @@ class SearchSpace:
             ],
             "k-fp8-v-fp4": [("fp8", "fp4")] * len(self.groups),
             "int4-k-channel-rotated": [("int4", "int4")] * len(self.groups),
+            "fp8-csa16-top32-host": [("fp8", "fp8")] * len(self.groups),
         }
         own_knobs = {
             "int4-k-channel-rotated": {
@@ -321,7 +332,8 @@ class SearchSpace:
                 "rotation": "hadamard",
                 "group_size": 64,
                 "block_size": 32,
-            }
+            },
+            "fp8-csa16-top32-host": {"csa_ratio": 16, "csa_window": 256, "csa_topk": 32},
         }
         starts = {}
         for name, layout in layouts.items():
@@ -344,9 +356,10 @@ def canonical(policy: KVPolicy) -> KVPolicy:
     Scale settings, the rotation and the unquantized recent window mean nothing without a
     quantized stream
     (the group size becomes "tensor", the one value every head_dim accepts), the key scale axis
-    nothing without a quantized key stream, the CSA window and
-    sinks, summary pooling and selection nothing without compression, and per-layer pairs that are all equal are the plain K/V
-    dtypes. Canonical policies make equal trials hit the same cache entry.
+    nothing without a quantized key stream, the CSA window, sinks, summary pooling and
+    selection nothing without compression (the selection index nothing without selection), and
+    per-layer pairs that are all equal are the plain K/V dtypes. Canonical policies make equal
+    trials hit the same cache entry.
     """
     pairs = policy.layer_dtypes or (f"{policy.k_dtype}/{policy.v_dtype}",)
     changes: dict[str, Any] = {}
@@ -376,4 +389,6 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             csa_topk=0,
             csa_host=False,
         )
+    if not policy.selects:
+        changes.update(csa_index=_DEFAULTS.csa_index)
     return policy.replace(**changes)

@@ -207,3 +207,23 @@ def test_the_int4_start_needs_every_knob_it_sets():
     )
     assert policy == canonical(expected.replace(chunk_size=policy.chunk_size))
     assert "int4-k-channel-rotated" not in space(**{**knobs, "rotation": ["none"]}).warm_starts()
+
+
+def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
+    """csa_topk > 0 always comes with csa_host (selected blocks live there) and with
+    compression; without compression the selection knobs fall back to their defaults."""
+    search = space(
+        csa_ratio=[1, 16], csa_window=[256], csa_topk=[0, 32], block_size=[16], chunk_size=[256]
+    )
+    policy = search.policy(search.warm_starts()["fp8-csa16-top32-host"])
+    assert (policy.csa_ratio, policy.csa_window, policy.csa_topk) == (16, 256, 32)
+    assert policy.csa_host and policy.csa_index == "bounds"
+    assert policy.layer_pairs(6) == [("fp8", "fp8")] * 6
+    sampler = optuna.samplers.RandomSampler(seed=0)
+    study = optuna.create_study(sampler=sampler)
+    for _ in range(40):
+        drawn = search.suggest(study.ask())
+        assert drawn.csa_host == drawn.selects == (drawn.csa_topk > 0)
+        if not drawn.compressed:
+            assert (drawn.csa_topk, drawn.csa_index, drawn.csa_summary) == (0, "bounds", "pre_rope")
+    assert "fp8-csa16-top32-host" not in space().warm_starts()

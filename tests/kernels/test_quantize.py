@@ -281,6 +281,7 @@ def compile_kernels_for_cuda() -> None:
     pointers = {
         "src_block_ids_ptr": "*i32",
         "dst_slots_ptr": "*i64",
+        "align_ptr": "*fp32",
         "src_scales_ptr": "*u8",
         "dst_scales_ptr": "*fp16",
         **{
@@ -290,8 +291,9 @@ def compile_kernels_for_cuda() -> None:
         },
     }
     switches = {**format_switches(first, "SRC_"), **format_switches(second, "DST_")}
-    constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, **tile, **switches}
-    _compile_for_sm90(compress._compress_kernel, pointers, constexprs)
+    for align in (False, True):  # keys pooled as cached, or turned as if before RoPE
+        constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, "ALIGN": align}
+        _compile_for_sm90(compress._compress_kernel, pointers, {**constexprs, **tile, **switches})
     compile_attention_for_cuda()
 
 
@@ -313,6 +315,7 @@ def compile_attention_for_cuda() -> None:
         "block_table_ptr": "*i32",
         "lengths_ptr": "*i32",
         "start_positions_ptr": "*i32",
+        "query_mask_ptr": "*u8",
         "out_ptr": "*fp32",
         "lse_ptr": "*fp32",
         "scale_log2": "fp32",
@@ -325,14 +328,15 @@ def compile_attention_for_cuda() -> None:
     shape = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16}
     tiles = {"DOT_PRECISION": "tf32", "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_D": 128}
     for causal in (True, False):
-        constexprs = {**shape, "CAUSAL": causal, **switches, **tiles}
-        _compile_for_sm90(attention._stream_attention_kernel, pointers, constexprs)
+        for masked in (False, True):  # masked: CSA selection's per-query key mask
+            constexprs = {**shape, "CAUSAL": causal, "MASKED": masked, **switches, **tiles}
+            _compile_for_sm90(attention._stream_attention_kernel, pointers, constexprs)
     int_switches = {
         **format_switches(KVFormat("int4", 32), "K_"),
         **format_switches(KVFormat("int2", 16), "V_"),
     }
     int_pointers = {**pointers, "k_scales_ptr": "*fp16"}
-    constexprs = {**shape, "CAUSAL": True, **int_switches, **tiles}
+    constexprs = {**shape, "CAUSAL": True, "MASKED": False, **int_switches, **tiles}
     _compile_for_sm90(attention._stream_attention_kernel, int_pointers, constexprs)
     merge_pointers = {
         name: "*fp32" for name in ("parts_out_ptr", "parts_lse_ptr", "out_ptr", "lse_ptr")

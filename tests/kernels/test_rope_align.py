@@ -71,7 +71,9 @@ def test_quantized_destination_matches_reference_within_a_code():
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     source = KVPool.allocate(KVFormat("fp16"), 3, BLOCK, HEADS, head_dim)
     write_vectors_ref(
-        source, torch.arange(3 * BLOCK), torch.randn(3 * BLOCK, HEADS, head_dim, generator=generator)
+        source,
+        torch.arange(3 * BLOCK),
+        torch.randn(3 * BLOCK, HEADS, head_dim, generator=generator),
     )
     align = summary_alignment(inv_freq, ratio, randomized_hadamard(head_dim, 1))
     pools = [KVPool.allocate(KVFormat("fp8", 32), 2, BLOCK, HEADS, head_dim) for _ in range(2)]

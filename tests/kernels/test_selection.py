@@ -19,7 +19,9 @@ BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
 
 def _stream(lengths: list[int], generator: torch.Generator) -> PagedStream:
     blocks_per_seq = max(math.ceil(n / BLOCK) for n in lengths)
-    pool = KVPool.allocate(KVFormat("fp32"), len(lengths) * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM)
+    pool = KVPool.allocate(
+        KVFormat("fp32"), len(lengths) * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM
+    )
     values = torch.randn(pool.num_slots, KV_HEADS, HEAD_DIM, generator=generator) * 2
     write_vectors_ref(pool, torch.arange(pool.num_slots), values)
     table = torch.arange(len(lengths) * blocks_per_seq, dtype=torch.int32).view(len(lengths), -1)

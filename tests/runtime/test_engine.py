@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from runtime import LLM
-from runtime.errors import ConfigError
 from runtime.block_manager import HOST
+from runtime.errors import ConfigError
 from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
 from runtime.policy import KVPolicy
 from tests.runtime.conftest import TINY_VOCAB
@@ -242,6 +242,19 @@ TRITON_POLICIES = [
         csa_window=16,
         csa_sinks=4,
         recent_unquantized=8,
+        block_size=8,
+        chunk_size=16,
+    ),
+    # CSA selection: the stream kernel reads each query's chosen blocks through its mask.
+    KVPolicy(
+        "fp8",
+        "fp8",
+        group_size=16,
+        csa_ratio=4,
+        csa_window=16,
+        csa_sinks=4,
+        csa_topk=1,
+        csa_host=True,
         block_size=8,
         chunk_size=16,
     ),
