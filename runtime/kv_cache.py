@@ -417,6 +417,8 @@ class KVCache:
         )
         host = streams.pop(host_key)
         if positions is not None:
+            if self._host_is_remote(host):
+                host = self._fetch_for_prefill(layer, host)
             streams[host_key] = dataclasses.replace(
                 host, query_mask=chosen.repeat_interleave(bs, dim=2)
             )
@@ -431,6 +433,41 @@ class KVCache:
             self._block_table(staged),
             self._int32([len(ids) * bs for ids in staged]),
             host.start_positions,
+        )
+
+    def _host_is_remote(self, host: PagedStream) -> bool:
+        """Whether the host tier lives off the device (pinned host memory beside a GPU), where
+        the kernels cannot read it in place."""
+        return host.k.codes.device != self.device
+
+    def _fetch_for_prefill(self, layer: int, host: PagedStream) -> PagedStream:
+        """The host blocks a prefill step's sequences hold, copied into a scratch device pool
+        for the step (a prefill reads most of them; decode fetches only what it chose)."""
+        table = host.block_table.to(host.k.codes.device).long()
+        used = torch.cat(
+            [
+                row[: -(-int(n) // host.block_size)]
+                for row, n in zip(table, host.lengths.tolist(), strict=True)
+            ]
+        )
+        scratch = [
+            KVPool(
+                pool.codes[used].to(self.device),
+                None if pool.scales is None else pool.scales[used].to(self.device),
+                pool.fmt,
+                pool.tensor_scale.to(self.device),
+            )
+            for pool in (host.k, host.v)
+        ]
+        self.fetched_bytes += len(used) * self.layer_bytes[layer]
+        renumbered = torch.zeros_like(host.block_table)
+        start = 0
+        for row, n in enumerate(host.lengths.tolist()):
+            count = -(-int(n) // host.block_size)
+            renumbered[row, :count] = torch.arange(start, start + count, dtype=torch.int32)
+            start += count
+        return dataclasses.replace(
+            host, k=scratch[0], v=scratch[1], block_table=renumbered.to(self.device)
         )
 
     def _fetch(self, layer: int, kv: SequenceKV, chosen: list[list[bool]]) -> list[int]:

@@ -100,3 +100,19 @@ def test_the_cache_a_document_leaves_does_not_depend_on_the_question(tiny_llama)
         )
     for first, second in zip(*caches, strict=True):
         assert torch.equal(first, second)
+
+
+def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_result(
+    tiny_llama, monkeypatch
+):
+    """Beside a GPU the host tier is pinned host memory, which the kernels cannot read: a
+    prefill step copies the blocks its sequences hold into a scratch device pool. Forced here
+    on the CPU, the logits are the same and the copied bytes are counted."""
+    prompts = [random_tokens(100, seed=17), random_tokens(70, seed=18)]
+    local = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
+    expected = local.prompt_logits_batch(prompts)
+    monkeypatch.setattr("runtime.kv_cache.KVCache._host_is_remote", lambda self, host: True)
+    remote = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
+    for got, want in zip(remote.prompt_logits_batch(prompts), expected, strict=True):
+        assert torch.equal(got, want)
+    assert remote.stats()["kv_fetched_bytes"] > 0

@@ -26,6 +26,9 @@ LOGITS_TOLERANCE = {"triton": 1e-4, "triton_tf32": 5e-3}
 POLICIES = {
     "fp16": KVPolicy("fp16", "fp16", block_size=8, chunk_size=16),
     "fp8-fp4-csa": TRITON_POLICIES[0],
+    # Selection: the host tier in pinned host memory, scratch copies for prefill, fetches for
+    # decode.
+    "fp8-csa-select": TRITON_POLICIES[-1],
 }
 
 
