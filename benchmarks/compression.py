@@ -3,13 +3,15 @@ and query-aware selection over a host tier, with their bytes, fetches and decode
 
 Issue 13's table: device bytes and host-tier bytes relative to fp16 at the trial suite's
 context, retention on the trial suite and on held-out seeds, greedy exact match on passkey and
-multikey (absolute, fp16's beside), the bytes a decode step fetches from the host tier, and
-the decode step time relative to fp16 measured in the same run (torch path, one sequence of
---decode-context tokens). Accuracy results are cached like the validity benchmark's
-(content-keyed), so a rerun only re-times decode.
+multikey (absolute, fp16's beside), greedy generation of the pass key in a --needle-context
+haystack (needle_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
+decode step fetches from the host tier, and the decode step time relative to fp16 measured in
+the same run (torch path, one sequence of --decode-context tokens). Accuracy results are
+cached like the validity benchmark's (content-keyed), so a rerun only re-times decode.
 
     .venv/bin/python -m benchmarks.compression [--cheap quick] [--heldout heldout]
-        [--heldout-seeds 1] [--policies "..."] [--decode-context 4096] [--markdown]
+        [--heldout-seeds 1] [--policies "..."] [--decode-context 4096] [--needle-context 4096]
+        [--needle-docs 8] [--markdown]
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from rich.console import Console
 
 from autotune.cache import JsonCache, default_cache_folder
-from autotune.evaluation import load_suite
+from autotune.evaluation import EvalSuite, load_suite
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.formats import FP16, bytes_ratio
 from benchmarks.tables import print_rows
@@ -55,6 +57,13 @@ POLICIES: dict[str, KVPolicy] = {
 }
 
 
+def needle_suite(base: EvalSuite, context: int, docs: int) -> EvalSuite:
+    """The trial suite's model and settings, with only the greedy pass-key task at `context`."""
+    data = {**base.to_dict(), "name": f"needle-{context}", "context_tokens": context}
+    data["tasks"] = {"needle_greedy": {"docs": docs}}
+    return load_suite(data)
+
+
 def decode_timing(llm: LLM, context: int, steps: int) -> tuple[float, float]:
     """(median seconds of a decode step, host-tier bytes fetched per step) for one sequence
     after a `context`-token prompt."""
@@ -80,6 +89,8 @@ def main() -> None:
     parser.add_argument("--heldout-seeds", default="1", help="comma-separated ('' = none)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names")
     parser.add_argument("--decode-context", type=int, default=4096)
+    parser.add_argument("--needle-context", type=int, default=4096)
+    parser.add_argument("--needle-docs", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
@@ -90,6 +101,7 @@ def main() -> None:
     cheap = load_suite(args.cheap)
     seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
     heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
+    needle = needle_suite(cheap, args.needle_context, args.needle_docs)
     folder = resolve_model(cheap.model)
     arch = arch_from_folder(folder)
     console = Console()
@@ -102,6 +114,7 @@ def main() -> None:
         policy = POLICIES[name]
         quick = cached_evaluate(policy, cheap, cache)
         held = mean_result([cached_evaluate(policy, s, cache) for s in heldouts]) if seeds else None
+        greedy = cached_evaluate(policy, needle, cache)["tasks"]["needle_greedy"]
         step, fetched = decode_timing(
             base.with_policy(policy), args.decode_context, args.decode_steps
         )
@@ -110,7 +123,16 @@ def main() -> None:
             arch, FP16, tokens
         )
         rows.append(
-            (name, bytes_ratio(arch, policy, tokens), host, quick, held, fetched, step / fp16_step)
+            (
+                name,
+                bytes_ratio(arch, policy, tokens),
+                host,
+                quick,
+                held,
+                greedy,
+                fetched,
+                step / fp16_step,
+            )
         )
         console.log(f"{name}: {rows[-1][1]:.3f} device, {fmt(quick['accuracy_retention'])} quick")
     print_table(rows, cheap.name, args.decode_context, args.markdown, console)
@@ -134,11 +156,12 @@ def print_table(rows: list, cheap: str, context: int, markdown: bool, console: C
         "held-out retention",
         "passkey exact (fp16)",
         "multikey exact (fp16)",
+        "greedy needle exact (fp16)",
         f"KiB fetched / decode step @{context}",
         f"decode step / fp16 @{context}",
     ]
     lines = []
-    for name, device, host, quick, held, fetched, speed in rows:
+    for name, device, host, quick, held, greedy, fetched, speed in rows:
         shown = held or quick
         lines.append(
             [
@@ -151,6 +174,7 @@ def print_table(rows: list, cheap: str, context: int, markdown: bool, console: C
                 else "-",
                 _exact(shown, "passkey"),
                 _exact(shown, "multikey"),
+                f"{fmt(greedy['exact_match'], 2)} ({fmt(greedy['baseline_exact_match'], 2)})",
                 f"{fetched / 1024:.0f}",
                 f"{speed:.2f}",
             ]
