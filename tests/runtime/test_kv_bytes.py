@@ -5,8 +5,10 @@ import pytest
 from runtime.arch import ModelArch
 from runtime.kv_bytes import (
     SequenceBlocks,
+    host_kv_bytes_per_sequence,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
+    max_fetch_bytes_per_step,
     sequence_blocks,
 )
 from runtime.policy import KVPolicy
@@ -151,3 +153,27 @@ def test_mla_caches_one_latent_a_token_and_layer():
     fp4 = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=64, scale_dtype="e4m3")
     assert kv_bytes_per_token(DSV3, fp4) == 61 * (288 + 9)
     assert kv_bytes_per_sequence(DSV3, KVPolicy(), 4096) == 4096 * 61 * 576 * 2
+
+
+def test_selection_counts_staging_and_bounds_on_the_device_and_the_pooled_blocks_on_the_host():
+    """fp8 g32, blocks of 16, CSA 16:1 over 16 sinks and a 256-token window, top 32 from the host
+    tier, 2048 tokens. A vector: 64 code bytes + 2 fp16 scales = 68 B; a block of one layer:
+    16 tokens x 3 heads x (K + V) x 68 = 6,528 B; all 30 layers: 195,840 B."""
+    policy = KVPolicy(
+        "fp8", "fp8", csa_ratio=16, csa_window=256, csa_sinks=16, csa_topk=32, csa_host=True
+    )
+    block = 16 * 3 * 2 * 68 * 30
+    pooled = (2048 - 16 - 256) // 16  # 111 blocks left the window
+    # Device: 1 sink block, 16 window blocks, 111 summaries (7 blocks), 111 bound slots (7
+    # blocks), 32 staging blocks.
+    device = (1 + 16 + 7 + 7 + 32) * block
+    assert pooled == 111
+    assert kv_bytes_per_sequence(SMOL, policy, 2048) == device
+    assert host_kv_bytes_per_sequence(SMOL, policy, 2048) == pooled * block
+    assert max_fetch_bytes_per_step(SMOL, policy, 2048) == 32 * block
+    # Scored on summaries instead: no bound slots.
+    summaries = policy.replace(csa_index="summaries")
+    assert kv_bytes_per_sequence(SMOL, summaries, 2048) == device - 7 * block
+    # Before any block leaves the window: no host tier, no staging, no bounds.
+    assert host_kv_bytes_per_sequence(SMOL, policy, 272) == 0
+    assert kv_bytes_per_sequence(SMOL, policy, 272) == 17 * block
