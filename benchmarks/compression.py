@@ -102,6 +102,8 @@ def main() -> None:
     seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
     heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
     needle = needle_suite(cheap, args.needle_context, args.needle_docs)
+    # Bytes at the trial suite's context and at the held-out one's (longer: CSA saves more).
+    contexts = [cheap.context_tokens, *[suite.context_tokens for suite in heldouts[:1]]]
     folder = resolve_model(cheap.model)
     arch = arch_from_folder(folder)
     console = Console()
@@ -118,14 +120,16 @@ def main() -> None:
         step, fetched = decode_timing(
             base.with_policy(policy), args.decode_context, args.decode_steps
         )
-        tokens = cheap.context_tokens
-        host = host_kv_bytes_per_sequence(arch, policy, tokens) / kv_bytes_per_sequence(
-            arch, FP16, tokens
+        device = " / ".join(f"{bytes_ratio(arch, policy, t):.3f}" for t in contexts)
+        host = " / ".join(
+            f"{host_kv_bytes_per_sequence(arch, policy, t) / fp16_bytes:.3f}"
+            for t in contexts
+            for fp16_bytes in [kv_bytes_per_sequence(arch, FP16, t)]
         )
         rows.append(
             (
                 name,
-                bytes_ratio(arch, policy, tokens),
+                device,
                 host,
                 quick,
                 held,
@@ -134,8 +138,8 @@ def main() -> None:
                 step / fp16_step,
             )
         )
-        console.log(f"{name}: {rows[-1][1]:.3f} device, {fmt(quick['accuracy_retention'])} quick")
-    print_table(rows, cheap.name, args.decode_context, args.markdown, console)
+        console.log(f"{name}: {device} device, {fmt(quick['accuracy_retention'])} quick")
+    print_table(rows, cheap.name, contexts, args.decode_context, args.markdown, console)
 
 
 def _exact(result: dict, task: str) -> str:
@@ -147,11 +151,14 @@ def _exact(result: dict, task: str) -> str:
     )
 
 
-def print_table(rows: list, cheap: str, context: int, markdown: bool, console: Console) -> None:
+def print_table(
+    rows: list, cheap: str, contexts: list[int], context: int, markdown: bool, console: Console
+) -> None:
+    at = " / ".join(f"@{t}" for t in contexts)
     headers = [
         "policy",
-        "device bytes / fp16",
-        "host bytes / fp16",
+        f"device bytes / fp16 {at}",
+        f"host bytes / fp16 {at}",
         f"{cheap} retention",
         "held-out retention",
         "passkey exact (fp16)",
@@ -166,8 +173,8 @@ def print_table(rows: list, cheap: str, context: int, markdown: bool, console: C
         lines.append(
             [
                 name,
-                f"{device:.3f}",
-                f"{host:.3f}",
+                device,
+                host,
                 f"{fmt(quick['accuracy_retention'])} ± {fmt(quick['accuracy_retention_stderr'])}",
                 f"{fmt(held['accuracy_retention'])} ± {fmt(held['accuracy_retention_stderr'])}"
                 if held
