@@ -148,6 +148,15 @@ def mean_result(results: list[dict]) -> dict:
     merged = {key: float(np.mean([r[key] for r in results])) for key in keys}
     errors = [r["accuracy_retention_stderr"] or 0.0 for r in results]
     merged["accuracy_retention_stderr"] = float(np.sqrt(np.sum(np.square(errors)))) / len(errors)
+    per_task = ("retention", "exact_match", "baseline_exact_match")
+    merged["tasks"] = {
+        task: {
+            key: float(np.mean([r["tasks"][task][key] for r in results]))
+            for key in per_task
+            if key in row
+        }
+        for task, row in results[0]["tasks"].items()
+    }
     return merged
 
 

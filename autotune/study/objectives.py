@@ -144,21 +144,23 @@ class TrialFailure(Exception):
 def capacity_metrics(
     arch: ModelArch, policy: KVPolicy, device: DeviceSpec, serve: ServeSettings, workload: Workload
 ) -> dict[str, float]:
-    """Byte arithmetic and the planner's figures for the target device (nothing measured)."""
+    """Byte arithmetic and the planner's figures for the target device (nothing measured);
+    a policy with a host tier adds its host bytes and the most a decode step fetches."""
     per_sequence = kv_bytes_per_sequence(arch, policy, workload.context_len)
     budget = kv_budget_bytes(arch, device, serve)
-    return {
+    metrics = {
         "kv_bytes_per_sequence": float(per_sequence),
-        "host_kv_bytes_per_sequence": float(
-            host_kv_bytes_per_sequence(arch, policy, workload.context_len)
-        ),
-        "max_fetch_bytes_per_step": float(
-            max_fetch_bytes_per_step(arch, policy, workload.context_len)
-        ),
         "kv_bytes_per_token": float(kv_bytes_per_token(arch, policy)),
         "max_num_seqs": float(max_num_seqs(budget, per_sequence)),
         "predicted_decode_ms": predicted_decode_ms(arch, device, workload.batch, per_sequence),
     }
+    if policy.selects:
+        context = workload.context_len
+        metrics["host_kv_bytes_per_sequence"] = float(
+            host_kv_bytes_per_sequence(arch, policy, context)
+        )
+        metrics["max_fetch_bytes_per_step"] = float(max_fetch_bytes_per_step(arch, policy, context))
+    return metrics
 
 
 @dataclass(frozen=True)
