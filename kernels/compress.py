@@ -300,15 +300,15 @@ def compress_blocks_ref(
     align: torch.Tensor | None = None,
 ) -> None:
     """Torch reference of `compress_blocks` (same signature; the same bits without align, the
-    same up to fp32 summation order with it)."""
+    same up to the kernel's fp32 summation order with it)."""
     _check_compress(src_pool, src_block_ids, dst_pool, dst_slots, ratio, align)
     block_size = src_pool.block_size
     offsets = torch.arange(block_size, device=src_block_ids.device)
     rows = src_block_ids.long()[:, None] * block_size + offsets
     tokens = read_vectors_ref(src_pool, rows.flatten())
     groups = tokens.unflatten(0, (-1, ratio))  # [summaries, ratio, heads, head_dim]
-    if align is not None:
-        groups = torch.einsum("strd,tde->stre", groups, align)
+    if align is not None:  # in fp64, rounded once: the same bits whatever the batch of blocks
+        groups = torch.einsum("strd,tde->stre", groups.double(), align.double()).float()
     total = groups[:, 0]
     for token in range(1, ratio):
         total = total + groups[:, token]

@@ -53,7 +53,11 @@ POLICIES = {
         block_size=BLOCK,
     ),
     # Recent region longer than the window: window blocks are pooled from their fp16 copy.
+    # Summaries pooled as cached: with fp4 values this case sits at the fp32 noise floor (fp4
+    # codes flip where the model's matmuls round differently for 1 and 90 tokens: 9.8e-6 pooled
+    # as cached, 1.06e-5 turned pre-RoPE); pre-RoPE pooling is checked by "csa" and "csa_select".
     "csa_recent_past_window": KVPolicy(
+        csa_summary="post_rope",
         k_dtype="fp8",
         v_dtype="fp4",
         group_size=16,
