@@ -64,13 +64,13 @@ POLICIES: dict[str, KVPolicy] = {
     "K fp8 / V fp4 g16": KVPolicy("fp8", "fp4", group_size=16, scale_dtype="e4m3"),
     "K fp8 / V fp4 g32": KVPolicy("fp8", "fp4", group_size=32),
     "K fp8 / V fp4 g32 + recent 128": KVPolicy("fp8", "fp4", group_size=32, recent_unquantized=128),
-    "fp8 outer, K fp8 / V fp4 inner": KVPolicy(
+    "fp8 outer + K fp8 / V fp4 inner": KVPolicy(
         "fp8", "fp4", layer_dtypes=_mixed("fp8/fp8", "fp8/fp4"), group_size=32
     ),
-    "fp16 outer, fp8 inner": KVPolicy(
+    "fp16 outer + fp8 inner": KVPolicy(
         "fp8", "fp8", layer_dtypes=_mixed("fp16/fp16", "fp8/fp8"), group_size=32
     ),
-    "fp8 outer, fp4 g16 inner": KVPolicy(
+    "fp8 outer + fp4 g16 inner": KVPolicy(
         "fp8", "fp8", layer_dtypes=_mixed("fp8/fp8", "fp4/fp4"), group_size=16
     ),
     "int8 g32": KVPolicy("int8", "int8", group_size=32),
