@@ -21,7 +21,7 @@ from runtime.arch import ModelArch
 from runtime.backends import CacheOps
 from runtime.block_manager import MAIN, RECENT, BlockManager, SequenceKV
 from runtime.errors import ConfigError
-from runtime.kv_bytes import ceil_div, main_block_bytes, sequence_blocks
+from runtime.kv_bytes import ceil_div, sequence_blocks
 from runtime.kv_cache import KVCache, block_bytes
 from runtime.policy import KVPolicy
 from runtime.scheduler import ScheduledSequence, Scheduler
@@ -48,14 +48,12 @@ class DecoderModel(Protocol):
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine limits. kv_budget_bytes: device bytes for all KV pools (None: room for
-    max_num_seqs sequences of max_model_len); host_kv_budget_bytes: bytes of the host tier of a
-    policy that selects (None: room for max_num_seqs sequences of max_model_len)."""
+    max_num_seqs sequences of max_model_len)."""
 
     max_model_len: int
     max_num_seqs: int = 8
     max_num_batched_tokens: int | None = None
     kv_budget_bytes: int | None = None
-    host_kv_budget_bytes: int | None = None
     scheduling: str = "fcfs"
     seed: int = 0
 
@@ -83,24 +81,13 @@ class PoolSizes:
     host_blocks: int = 0
 
 
-def host_pool_blocks(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> int:
-    """Host-tier blocks for its budget (0 for a policy that does not select); refuses a budget
-    below one full-length sequence."""
-    one_sequence = sequence_blocks(policy, config.max_model_len).host
+def host_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
+    """Host-tier blocks: every pooled block of max_num_seqs full-length sequences (0 for a
+    policy that does not select). Host memory is not the scarce resource the device budget is,
+    so the tier is sized to never refuse a sequence the device pools admit."""
     if not policy.selects:
         return 0
-    block = main_block_bytes(arch, policy)
-    budget = config.host_kv_budget_bytes
-    if budget is None:
-        return config.max_num_seqs * one_sequence
-    if budget // block < one_sequence:
-        raise ConfigError(
-            "host_kv_budget_bytes",
-            budget,
-            f">= {one_sequence * block} bytes: the host tier of one {config.max_model_len}-token "
-            "sequence under this policy",
-        )
-    return budget // block
+    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).host
 
 
 def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:
@@ -124,7 +111,7 @@ def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolS
             f">= {needed} bytes: one {config.max_model_len}-token sequence under this policy "
             "(raise the budget, lower max_model_len, or quantize/compress more)",
         )
-    return PoolSizes(main, recent, step_tokens, host_pool_blocks(arch, policy, config))
+    return PoolSizes(main, recent, step_tokens, host_pool_blocks(policy, config))
 
 
 class Engine:

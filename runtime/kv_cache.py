@@ -146,12 +146,9 @@ class KVCache:
         self.rotations = layer_rotations(arch, policy, device)
         self.alignments = self._summary_alignments(rope_inv_freq)
         self.fetched_bytes = 0
-        self.layer_bytes = [
-            layer_block_bytes(arch, f.k, f.v, bs) for f in layer_formats(arch, policy)
-        ]
-        for formats, (k_scale, v_scale) in zip(
-            layer_formats(arch, policy), tensor_scales, strict=True
-        ):
+        all_formats = layer_formats(arch, policy)
+        self.layer_bytes = [layer_block_bytes(arch, f.k, f.v, bs) for f in all_formats]
+        for formats, (k_scale, v_scale) in zip(all_formats, tensor_scales, strict=True):
             k_pools = {
                 MAIN: KVPool.allocate(formats.k, counts[MAIN], bs, heads, size, k_scale, device)
             }
@@ -443,13 +440,9 @@ class KVCache:
     def _fetch_for_prefill(self, layer: int, host: PagedStream) -> PagedStream:
         """The host blocks a prefill step's sequences hold, copied into a scratch device pool
         for the step (a prefill reads most of them; decode fetches only what it chose)."""
+        counts = [-(-int(n) // host.block_size) for n in host.lengths.tolist()]
         table = host.block_table.to(host.k.codes.device).long()
-        used = torch.cat(
-            [
-                row[: -(-int(n) // host.block_size)]
-                for row, n in zip(table, host.lengths.tolist(), strict=True)
-            ]
-        )
+        used = torch.cat([row[:count] for row, count in zip(table, counts, strict=True)])
         scratch = [
             KVPool(
                 pool.codes[used].to(self.device),
@@ -461,11 +454,10 @@ class KVCache:
         ]
         self.fetched_bytes += len(used) * self.layer_bytes[layer]
         renumbered = torch.zeros_like(host.block_table)
-        start = 0
-        for row, n in enumerate(host.lengths.tolist()):
-            count = -(-int(n) // host.block_size)
-            renumbered[row, :count] = torch.arange(start, start + count, dtype=torch.int32)
-            start += count
+        first = 0
+        for row, count in enumerate(counts):
+            renumbered[row, :count] = torch.arange(first, first + count, dtype=torch.int32)
+            first += count
         return dataclasses.replace(
             host, k=scratch[0], v=scratch[1], block_table=renumbered.to(self.device)
         )

@@ -107,6 +107,19 @@ def test_quantized_and_compressed_policies_degrade_in_order():
     assert fp8 < 0.05 and fp4 < 1.0 and csa < 1.0
 
 
+# CSA selection with one block a query: 40-token prompts pool two, so the choice matters.
+SELECTING = KVPolicy(
+    "fp8",
+    "fp8",
+    group_size=16,
+    csa_ratio=4,
+    csa_window=16,
+    csa_sinks=4,
+    csa_topk=1,
+    csa_host=True,
+    block_size=8,
+    chunk_size=16,
+)
 POLICIES_FOR_BYTES = [
     KVPolicy("auto", "auto", block_size=8, chunk_size=16),
     KVPolicy("int4", "int2", group_size=16, recent_unquantized=20, block_size=8, chunk_size=16),
@@ -152,19 +165,8 @@ POLICIES_FOR_BYTES = [
         block_size=8,
         chunk_size=24,
     ),
-    # CSA selection: a host tier and a staging pool beside summaries.
-    KVPolicy(
-        "int4",
-        "fp8",
-        group_size=16,
-        csa_ratio=4,
-        csa_window=16,
-        csa_sinks=4,
-        csa_topk=2,
-        csa_host=True,
-        block_size=8,
-        chunk_size=24,
-    ),
+    # CSA selection: a host tier, a staging pool and key bounds beside summaries (int4 keys).
+    SELECTING.replace(k_dtype="int4", csa_topk=2, chunk_size=24),
 ]
 
 
@@ -246,18 +248,7 @@ TRITON_POLICIES = [
         chunk_size=16,
     ),
     # CSA selection: the stream kernel reads each query's chosen blocks through its mask.
-    KVPolicy(
-        "fp8",
-        "fp8",
-        group_size=16,
-        csa_ratio=4,
-        csa_window=16,
-        csa_sinks=4,
-        csa_topk=1,
-        csa_host=True,
-        block_size=8,
-        chunk_size=16,
-    ),
+    SELECTING,
 ]
 
 

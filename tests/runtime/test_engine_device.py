@@ -18,7 +18,7 @@ import pytest
 from runtime import LLM
 from runtime.policy import KVPolicy
 from tests.conftest import TEST_DEVICE
-from tests.runtime.test_engine import TRITON_POLICIES, random_tokens, relative_error
+from tests.runtime.test_engine import SELECTING, TRITON_POLICIES, random_tokens, relative_error
 
 pytestmark = pytest.mark.skipif(TEST_DEVICE != "cuda", reason="KVTUNE_TEST_DEVICE=cuda only")
 
@@ -28,7 +28,7 @@ POLICIES = {
     "fp8-fp4-csa": TRITON_POLICIES[0],
     # Selection: the host tier in pinned host memory, scratch copies for prefill, fetches for
     # decode.
-    "fp8-csa-select": TRITON_POLICIES[-1],
+    "fp8-csa-select": SELECTING,
 }
 
 
