@@ -39,6 +39,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.search.space import SearchConfig, SearchSpace, canonical
 from autotune.study.objectives import Constraints, TrialFailure, directions
 from autotune.study.recipe import recipe_differences
+from autotune.study.sqlite_locking import lock_sqlite_transactions
 from runtime.errors import ConfigError
 from runtime.policy import KVPolicy
 
@@ -124,8 +125,9 @@ class StudySettings:
 
 
 def open_storage(settings: StudySettings, existing: bool = False) -> RDBStorage:
-    """RDB storage with heartbeats. A SQLite file's folder is created first, unless the study
-    must already exist (workers, exports): then a missing file is refused without creating it."""
+    """RDB storage with heartbeats; SQLite's transactions take the write lock (sqlite_locking).
+    A SQLite file's folder is created first, unless the study must already exist (workers,
+    exports): then a missing file is refused without creating it."""
     url = settings.storage_url
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
         path = Path(url.removeprefix("sqlite:///"))
@@ -139,12 +141,14 @@ def open_storage(settings: StudySettings, existing: bool = False) -> RDBStorage:
         path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():  # heartbeats and retries are "experimental" since 2.8
         warnings.simplefilter("ignore", ExperimentalWarning)
-        return RDBStorage(
+        storage = RDBStorage(
             url,
             heartbeat_interval=settings.heartbeat_interval_s,
             grace_period=settings.grace_period_s,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(settings.max_retries),
         )
+    lock_sqlite_transactions(storage)
+    return storage
 
 
 def check_sampler(settings: StudySettings, search: SearchConfig, num_layers: int) -> None:

@@ -248,26 +248,54 @@ def test_an_exhausted_space_stops_the_study_short_of_its_budget(tmp_path):
     assert sum(t.state == TrialState.COMPLETE for t in study.get_trials()) == 7
 
 
-def test_two_workers_on_one_storage_never_measure_a_policy_twice(tmp_path):
-    measure = RecordingMeasure(delay_s=0.05)
-    settings, _ = new_study(tmp_path)
+def run_two_workers(settings, measure: RecordingMeasure, n_trials: int) -> None:
+    """Two workers (threads, each with its own storage connection) on one study; a worker's
+    exception fails the test instead of dying with its thread."""
+    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        study = optuna.load_study(study_name=settings.name, storage=open_storage(settings))
-        study.sampler = optuna.samplers.RandomSampler(seed=seed)
-        run_trials(study, few_policies_objective(measure, 6), 6)
+        try:
+            study = optuna.load_study(study_name=settings.name, storage=open_storage(settings))
+            study.sampler = optuna.samplers.RandomSampler(seed=seed)
+            run_trials(study, few_policies_objective(measure, n_trials), n_trials)
+        except BaseException as error:  # noqa: BLE001 - reported by the test below
+            errors.append(error)
 
     threads = [threading.Thread(target=worker, args=(seed,)) for seed in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
+    assert not errors, errors
+
+
+def test_two_workers_on_one_storage_never_measure_a_policy_twice(tmp_path):
+    measure = RecordingMeasure(delay_s=0.05)
+    settings, _ = new_study(tmp_path)
+    run_two_workers(settings, measure, 6)
     # No policy twice. The budget is checked before each trial, so two workers that both see
     # 5 counted may both start one more (as with Optuna's own MaxTrialsCallback): 6 or 7.
     assert len(measure.policies) == len(set(measure.policies)) in (6, 7)
     assert set(measure.policies) <= DISTINCT
     _, study = new_study(tmp_path)
     assert len(trial_records(study)) == len(measure.policies)
+
+
+def test_two_workers_never_both_claim_one_queued_trial(tmp_path):
+    # SQLite ignores the FOR UPDATE with which Optuna claims a queued trial: without write-locking
+    # transactions both workers read it WAITING, both measure it, and one crashes reporting it.
+    settings, study = new_study(tmp_path)
+    every_policy = [
+        {"k_dtype_g0": k, "v_dtype_g0": v, "group_size": g}
+        for k in ("fp16", "fp8")
+        for v in ("fp16", "fp8")
+        for g in ((16,) if k == v == "fp16" else (8, 16))
+    ]
+    for params in every_policy:
+        study.enqueue_trial(params)
+    measure = RecordingMeasure(delay_s=0.01)
+    run_two_workers(settings, measure, len(every_policy))
+    assert sorted(measure.policies, key=str) == sorted(DISTINCT, key=str)
 
 
 def test_repeats_in_an_older_study_are_listed_once(tmp_path):
