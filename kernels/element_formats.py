@@ -8,9 +8,10 @@ adding a format is one entry here plus its code functions in their own module.
 
 CODE values of the device helpers: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1,
 CODE_E2M1_TIES_AWAY (E2M1 rounded as SGLang's fp4_mx_block16 does: halfway values away from
-zero), CODE_INT8_SYMMETRIC (signed int8 codes with a symmetric scale, vLLM's
-int8_per_token_head), and CODE_UINT + bits for the unsigned integer codes of the asymmetric
-formats.
+zero), CODE_E2M1_4OVER6 (E2M1 whose group scale is amax / 6 or amax / 4, whichever reconstructs
+the group with the smaller squared error: vLLM's nvfp4_4over6), CODE_INT8_SYMMETRIC (signed
+int8 codes with a symmetric scale, vLLM's int8_per_token_head), and CODE_UINT + bits for the
+unsigned integer codes of the asymmetric formats.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CODE_E4M3 = 1
 CODE_E2M1 = 2
 CODE_E2M1_TIES_AWAY = 3
 CODE_INT8_SYMMETRIC = 4
+CODE_E2M1_4OVER6 = 5
 CODE_UINT = 16
 
 
@@ -51,6 +53,9 @@ class ElementFormat:
     zero_point: asymmetric (a zero point is stored beside each group scale).
     encode: fp32 values in code units [..., D] -> stored bytes [..., D * bits / 8] (torch).
     decode: stored bytes -> fp32 code values [..., D] (torch).
+    alt_max_code: symmetric formats only: a second scale candidate amax / alt_max_code; each
+        group keeps the candidate whose reconstruction has the smaller squared error (the first
+        on a tie). 0 = one candidate.
     """
 
     bits: int
@@ -59,6 +64,7 @@ class ElementFormat:
     zero_point: bool
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
+    alt_max_code: float = 0.0
 
     @property
     def per_byte(self) -> int:
@@ -96,6 +102,15 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
         lambda x: pack_e2m1_ref(encode_e2m1_ties_away_ref(x)),
         decode_packed_e2m1_fast,
     ),
+    "fp4_4over6": ElementFormat(
+        4,
+        CODE_E2M1_4OVER6,
+        6.0,
+        False,
+        lambda x: pack_e2m1_ref(encode_e2m1_fast(x)),
+        decode_packed_e2m1_fast,
+        alt_max_code=4.0,
+    ),
     "int8_symmetric": ElementFormat(
         8,
         CODE_INT8_SYMMETRIC,
@@ -121,3 +136,9 @@ def code_bits(code):
 def code_max(code):
     """max_code of the element format with this CODE (a Triton constexpr)."""
     return _BY_CODE[code].max_code
+
+
+@triton.constexpr_function
+def code_alt_max(code):
+    """alt_max_code of the element format with this CODE (a Triton constexpr; 0 for none)."""
+    return _BY_CODE[code].alt_max_code

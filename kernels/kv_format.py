@@ -42,7 +42,9 @@ class KVFormat:
 
     dtype: fp32 | fp16 | bf16 (stored as is), fp8 (E4M3) | fp4 (E2M1, two codes a byte:
         element 2i in the low nibble, element 2i+1 in the high nibble), fp4_ties_away (the same
-        codes rounded with halfway values away from zero, SGLang's), or the asymmetric
+        codes rounded with halfway values away from zero, SGLang's), fp4_4over6 (E2M1 codes,
+        each group scaled by amax / 6 or amax / 4, whichever reconstructs it better: vLLM's
+        nvfp4_4over6; needs a group_size), or the asymmetric
         uniform int8 | int4 | int2 (unsigned codes packed the same way, a scale and a zero
         point per group; see `kernels.element_formats`).
     group_size: elements along head_dim sharing one scale (and zero point); None means one fp32
@@ -85,6 +87,10 @@ class KVFormat:
         elif self.zero_point and self.group_size is None:
             raise ValueError(
                 f"group_size=None: {self.dtype} needs a group size (a zero point per group)"
+            )
+        elif self.element.alt_max_code and self.group_size is None:
+            raise ValueError(
+                f"group_size=None: {self.dtype} needs a group size (it picks a scale per group)"
             )
         if not isinstance(self.token_group, int) or self.token_group < 1:
             raise ValueError(f"token_group={self.token_group!r}: must be a positive int")

@@ -1,12 +1,15 @@
 """Per-group quantization of K/V vectors to a `KVFormat`: Triton device helpers, launchers and
 torch references.
 
-One rule for every symmetric format (fp8, fp4, fp4_ties_away, int8_symmetric), in
+One rule for every symmetric format (fp8, fp4, fp4_ties_away, fp4_4over6, int8_symmetric), in
 "tensor-scaled units" x_t = x / tensor_scale:
 
     group scale s_g = decode(encode(max(amax_g(|x_t|) / max_code, floor)))   (scale dtype)
     code            = encode(x_t / s_g), or encode(x_t * fp32(1 / s_g))     (0 when s_g == 0)
     value           = (decode(code) * s_g) * tensor_scale
+
+(fp4_4over6 also forms s_g from amax_g / 4 and keeps, per group, the scale whose E2M1 codes
+reconstruct x_t with the smaller sum of squared errors, computed in fp64; amax_g / 6 on a tie)
 
 where the scale dtype (`kernels.scale_formats`: fp16, E4M3, fp32, UE8M0) sets the floor, the
 rounding of the scale and whether elements are multiplied by its reciprocal (fp32, as vLLM's
@@ -64,11 +67,13 @@ import triton
 import triton.language as tl
 
 from kernels import element_formats
-from kernels.element_formats import code_bits, code_max
+from kernels.element_formats import code_alt_max, code_bits, code_max
 from kernels.fp_codes import (
     decode_e2m1,
+    decode_e2m1_ref,
     decode_e4m3,
     encode_e2m1,
+    encode_e2m1_fast,
     encode_e2m1_ties_away,
     encode_e4m3,
     round_to_bf16,
@@ -83,6 +88,7 @@ CODE_FLOAT = tl.constexpr(element_formats.CODE_FLOAT)
 CODE_E4M3 = tl.constexpr(element_formats.CODE_E4M3)
 CODE_E2M1 = tl.constexpr(element_formats.CODE_E2M1)
 CODE_E2M1_TIES_AWAY = tl.constexpr(element_formats.CODE_E2M1_TIES_AWAY)
+CODE_E2M1_4OVER6 = tl.constexpr(element_formats.CODE_E2M1_4OVER6)
 CODE_INT8_SYMMETRIC = tl.constexpr(element_formats.CODE_INT8_SYMMETRIC)
 CODE_UINT = tl.constexpr(element_formats.CODE_UINT)
 
@@ -94,6 +100,7 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
     CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY,
+    CODE_E2M1_4OVER6,
     CODE_INT8_SYMMETRIC or CODE_UINT + bits (asymmetric integer codes with zero points);
     GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_DTYPE: the SCALE code of the
     group scales' dtype (0 fp16, 1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP:
@@ -181,7 +188,7 @@ def load_dequant_tile(
             codes = (codes >> shifts) & (2**BITS - 1)
         if CODE == CODE_E4M3:
             values = decode_e4m3(codes)
-        elif CODE == CODE_E2M1 or CODE == CODE_E2M1_TIES_AWAY:  # noqa: SIM109 (constexprs)
+        elif CODE == CODE_E2M1 or CODE == CODE_E2M1_TIES_AWAY or CODE == CODE_E2M1_4OVER6:  # noqa: SIM109
             values = decode_e2m1(codes)
         elif CODE == CODE_INT8_SYMMETRIC:
             values = decode_int8_symmetric(codes)
@@ -203,6 +210,29 @@ def load_dequant_tile(
 
 
 @triton.jit
+def _e2m1_squared_error(grouped, scale):
+    """fp64 [R, G]: squared error of E2M1 codes of groups [R, G, n] under scales [R, G] (in
+    fp64, where the squares of fp32 differences are exact, so the choice of
+    `_group_parameters` does not depend on summation order)."""
+    divisor = tl.where(scale == 0.0, 1.0, scale)[:, :, None]
+    units = tl.math.div_rn(grouped, tl.broadcast_to(divisor, grouped.shape))
+    restored = decode_e2m1(encode_e2m1(units)) * scale[:, :, None]
+    error = restored.to(tl.float64) - grouped.to(tl.float64)
+    return tl.sum(error * error, axis=2)
+
+
+@triton.jit
+def _group_scale(span, SCALE: tl.constexpr, MAX_CODE: tl.constexpr):
+    """(stored, fp32 decoded) group scale span / MAX_CODE in the SCALE dtype, floored."""
+    exact = tl.math.div_rn(span, tl.full(span.shape, MAX_CODE, tl.float32))
+    FLOOR: tl.constexpr = scale_floor(SCALE)
+    if FLOOR > 0:
+        exact = tl.maximum(exact, FLOOR)
+    stored = encode_scale(exact, SCALE)
+    return stored, decode_scale(stored, SCALE)
+
+
+@triton.jit
 def _group_parameters(
     scaled,
     scales_ptr,
@@ -211,11 +241,15 @@ def _group_parameters(
     HEAD_DIM: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     SCALE: tl.constexpr,
-    MAX_CODE: tl.constexpr,
-    ZERO_POINT: tl.constexpr,
+    CODE: tl.constexpr,
 ):
     """Store the group scales (SCALE dtype) of a tile in tensor-scaled units, then its zero
-    points when ZERO_POINT; return scales and zero points (0 without ZERO_POINT) as fp32 [R, G]."""
+    points for asymmetric CODEs; return scales and zero points (0 when symmetric) as fp32
+    [R, G]. A CODE with a second scale candidate (E2M1 4over6) keeps, per group, the one with
+    the smaller squared error (the first on a tie)."""
+    ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+    MAX_CODE: tl.constexpr = code_max(CODE)
+    ALT_MAX_CODE: tl.constexpr = code_alt_max(CODE)
     BLOCK_R: tl.constexpr = scaled.shape[0]
     NUM_GROUPS: tl.constexpr = scaled.shape[1] // GROUP_SIZE
     grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
@@ -226,12 +260,12 @@ def _group_parameters(
     else:
         zero = tl.zeros((BLOCK_R, NUM_GROUPS), tl.float32)
         span = tl.max(tl.abs(grouped), axis=2)
-    exact = tl.math.div_rn(span, tl.full(span.shape, MAX_CODE, tl.float32))
-    FLOOR: tl.constexpr = scale_floor(SCALE)
-    if FLOOR > 0:
-        exact = tl.maximum(exact, FLOOR)
-    stored = encode_scale(exact, SCALE)
-    scale = decode_scale(stored, SCALE)
+    stored, scale = _group_scale(span, SCALE, MAX_CODE)
+    if ALT_MAX_CODE > 0:
+        stored_alt, scale_alt = _group_scale(span, SCALE, ALT_MAX_CODE)
+        use_alt = _e2m1_squared_error(grouped, scale_alt) < _e2m1_squared_error(grouped, scale)
+        stored = tl.where(use_alt, stored_alt, stored)
+        scale = tl.where(use_alt, scale_alt, scale)
     PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
     groups = tl.arange(0, NUM_GROUPS)
     offsets = vectors[:, None] * (PARAMS * (HEAD_DIM // GROUP_SIZE)) + groups[None, :]
@@ -258,7 +292,7 @@ def _store_codes(
     PER_BYTE: tl.constexpr = 8 // BITS
     if CODE == CODE_E4M3:
         codes = encode_e4m3(scaled).to(tl.int32)
-    elif CODE == CODE_E2M1:
+    elif CODE == CODE_E2M1 or CODE == CODE_E2M1_4OVER6:  # noqa: SIM109 (constexprs)
         codes = encode_e2m1(scaled).to(tl.int32)
     elif CODE == CODE_E2M1_TIES_AWAY:
         codes = encode_e2m1_ties_away(scaled).to(tl.int32)
@@ -330,17 +364,8 @@ def quantize_store_tile(
             NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
             grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
             ZERO_POINT: tl.constexpr = CODE > CODE_UINT
-            MAX_CODE: tl.constexpr = code_max(CODE)
             scale, zero = _group_parameters(
-                scaled,
-                scales_ptr,
-                vectors,
-                mask,
-                HEAD_DIM,
-                GROUP_SIZE,
-                SCALE_DTYPE,
-                MAX_CODE,
-                ZERO_POINT,
+                scaled, scales_ptr, vectors, mask, HEAD_DIM, GROUP_SIZE, SCALE_DTYPE, CODE
             )
             grouped = _to_code_units(
                 grouped,
@@ -373,7 +398,6 @@ def quantize_store_token_groups(
     BLOCK_D: tl.constexpr = values.shape[1]
     NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
     ZERO_POINT: tl.constexpr = CODE > CODE_UINT
-    MAX_CODE: tl.constexpr = code_max(CODE)
     dims = tl.arange(0, BLOCK_D)
     rows = first_row.to(tl.int64) + tl.arange(0, TOKEN_GROUP)
     dmask = dims[None, :] < HEAD_DIM
@@ -392,8 +416,7 @@ def quantize_store_token_groups(
         HEAD_DIM * TOKEN_GROUP,
         GROUP_SIZE * TOKEN_GROUP,
         SCALE_DTYPE,
-        MAX_CODE,
-        ZERO_POINT,
+        CODE,
     )
     grouped = _to_code_units(
         grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT, scale_reciprocal(SCALE_DTYPE)
@@ -616,13 +639,34 @@ def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Te
         grouped = grouped - zeros.float()[..., None]
         scales = torch.cat((scales, zeros), dim=-1)
     else:
-        scale_format = fmt.scale_format
-        exact = (grouped.abs().amax(dim=-1) / fmt.max_code).clamp(min=scale_format.floor)
-        scales = scale_format.encode(exact)
-        scale = scale_format.decode(scales)
+        scales, scale = _group_scale_ref(grouped, fmt, fmt.max_code)
+        if fmt.element.alt_max_code:
+            scales_alt, scale_alt = _group_scale_ref(grouped, fmt, fmt.element.alt_max_code)
+            use_alt = _e2m1_squared_error_ref(grouped, scale_alt) < _e2m1_squared_error_ref(
+                grouped, scale
+            )
+            scales = torch.where(use_alt, scales_alt, scales)
+            scale = torch.where(use_alt, scale_alt, scale)
     divisor = torch.where(scale == 0, 1.0, scale)[..., None]
     units = grouped * (1.0 / divisor) if fmt.scale_format.reciprocal else grouped / divisor
     return torch.where(scale[..., None] == 0, 0.0, units), scales
+
+
+def _group_scale_ref(
+    grouped: torch.Tensor, fmt: KVFormat, max_code: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored, fp32 decoded) symmetric group scales amax / max_code of groups [..., G, n]."""
+    scale_format = fmt.scale_format
+    exact = (grouped.abs().amax(dim=-1) / max_code).clamp(min=scale_format.floor)
+    stored = scale_format.encode(exact)
+    return stored, scale_format.decode(stored)
+
+
+def _e2m1_squared_error_ref(grouped: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp64 [..., G]: squared error of E2M1 codes of groups [..., G, n] under scales [..., G]."""
+    divisor = torch.where(scale == 0, 1.0, scale)[..., None]
+    restored = decode_e2m1_ref(encode_e2m1_fast(grouped / divisor)) * scale[..., None]
+    return ((restored.double() - grouped.double()) ** 2).sum(dim=-1)
 
 
 def dequantize_ref(

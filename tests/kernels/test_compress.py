@@ -19,6 +19,7 @@ FORMAT_PAIRS = [
     (KVFormat("int4", 32), KVFormat("int4", 32)),
     (KVFormat("fp16"), KVFormat("int2", 16)),
     (KVFormat("int8", 16), KVFormat("fp8", 32)),
+    (KVFormat("fp4_4over6", 16, "e4m3"), KVFormat("fp4_4over6", 32)),
 ]
 HEAD_DIM = 64
 
@@ -72,6 +73,7 @@ STORE_ERROR = {
     "bf16": 2.0**-8,
     "fp8": 2.0**-4 * 17 / 16,
     "fp4": (1 / 6) * 17 / 16,
+    "fp4_4over6": (1 / 6) * 17 / 16,  # the amax / 4 candidate errs at most amax / 8 * 17 / 16
     **{f"int{bits}": 1 / (2**bits - 1) + 2.0**-10 for bits in (8, 4, 2)},
 }
 

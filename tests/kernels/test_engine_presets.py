@@ -75,6 +75,12 @@ PRESETS = {
     "vllm/nvfp4": Engine(
         "vllm", "nvfp4", lambda x: ref.encode_nvfp4(x, 1.0), lambda c, s: ref.decode_nvfp4(c, s)
     ),
+    "vllm/nvfp4_4over6": Engine(
+        "vllm",
+        "nvfp4_4over6",
+        lambda x: ref.encode_nvfp4(x, 1.0, four_over_six=True),
+        lambda c, s: ref.decode_nvfp4(c, s),
+    ),
     "sglang/nvfp4": Engine(
         "sglang", "nvfp4", lambda x: ref.encode_nvfp4(x, 1.0), lambda c, s: ref.decode_nvfp4(c, s)
     ),

@@ -76,3 +76,5 @@ def test_integer_formats_refuse_per_tensor_and_e4m3_zero_points():
         KVFormat("int4", None)
     with pytest.raises(ValueError, match="scale_dtype='e4m3'"):
         KVFormat("int8", 32, "e4m3")
+    with pytest.raises(ValueError, match="group_size=None: fp4_4over6 needs a group size"):
+        KVFormat("fp4_4over6", None)
