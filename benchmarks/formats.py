@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
-import yaml
 from rich.console import Console
 
 from autotune.cache import JsonCache, default_cache_folder
+from autotune.config.engine_presets import engine_presets
 from autotune.evaluation import load_suite
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.tables import print_rows
@@ -29,7 +28,6 @@ from runtime.kv_bytes import kv_bytes_per_sequence
 from runtime.model_source import resolve_model
 from runtime.policy import KVPolicy
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "conf" / "policy"
 FP16 = KVPolicy("fp16", "fp16")
 
 # kvtune's own formats, from the 8-bit baselines down to about 3 bits a value.
@@ -72,15 +70,6 @@ POLICIES: dict[str, KVPolicy] = {
 }
 
 
-def engine_presets() -> dict[str, KVPolicy]:
-    """conf/policy/<engine>/<dtype>.yaml, each a plain policy mapping."""
-    presets = {}
-    for path in sorted(PRESET_DIR.glob("*/*.yaml")):
-        data = yaml.safe_load(path.read_text()) or {}
-        presets[f"{path.parent.name}/{path.stem}"] = KVPolicy.from_dict(data)
-    return presets
-
-
 def bytes_ratio(arch: ModelArch, policy: KVPolicy, tokens: int) -> float:
     """Device bytes of one sequence of `tokens` tokens relative to the fp16 cache."""
     return kv_bytes_per_sequence(arch, policy, tokens) / kv_bytes_per_sequence(arch, FP16, tokens)
@@ -98,12 +87,12 @@ def main() -> None:
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
     candidates = {name: POLICIES[name.strip()] for name in args.policies.split(",") if name}
-    if args.presets:
-        candidates.update(engine_presets())
     cheap = load_suite(args.cheap)
     seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
     heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
     arch = arch_from_folder(resolve_model(cheap.model))
+    if args.presets:
+        candidates.update(engine_presets(arch.head_dim))
     console = Console()
     cache = JsonCache(default_cache_folder("eval-validity"))
     rows = []

@@ -1,15 +1,16 @@
 """Deployable files for one trial: the kvtune policy, vLLM and SGLang configs, and NOTES.md.
 
 Engines express less than kvtune's policy. vLLM (`vllm serve --config vllm.yaml`) has one KV
-dtype for every layer (`kv-cache-dtype`, FP8 with per-tensor scales) plus
-`kv-cache-dtype-skip-layers`, the layers kept in the model dtype; K and V share a dtype.
-SGLang has one `--kv-cache-dtype` for all layers (fp8_e4m3, or fp4_e2m1 = MXFP4 with
-power-of-two scales per 32 elements). Neither has CSA compression, kvtune's group sizes and
-scale formats, or an unquantized recent window. The export maps each layer to the nearest
-setting that keeps at least the policy's precision (never less accurate, possibly larger),
-and NOTES.md puts numbers on what that costs: KV bytes and capacity of each engine's nearest
-config next to the policy's, from the planner's byte arithmetic for the chosen device.
-Option names were checked against vLLM's EngineArgs/CacheConfig and SGLang's server_args.py.
+dtype for every layer (`kv-cache-dtype`) plus `kv-cache-dtype-skip-layers`, the layers kept in
+the model dtype; K and V share a dtype. SGLang has one `--kv-cache-dtype` for all layers.
+Neither has CSA compression, an unquantized recent window, per-channel keys or kvtune's
+rotation. When the policy stores exactly what an engine format stores (`exact_presets`, the
+engine presets of conf/policy), the export names that format and the trial's accuracy carries
+over. Otherwise it writes the nearest config by rule (FP8 per tensor where a layer quantizes,
+the model dtype where it does not; SGLang's NVFP4 when every layer is FP4), which is a different
+cache: NOTES.md says so, compares its bytes with the policy's and gives its kvtune form to
+measure. Option values were checked against vLLM 0.33.0's CacheConfig and SGLang 0.5.23's
+server arguments (docs/engine_formats.md).
 """
 
 from __future__ import annotations
@@ -22,16 +23,17 @@ from typing import Any
 import yaml
 
 from autotune.config.settings import DeviceSpec, ServeSettings
+from autotune.export.exact_presets import EXACT, ExactPreset, exact_preset
 from autotune.planning.capacity import CapacityRow, build_plan, capacity_row, kv_budget_bytes
 from autotune.study.objectives import capacity_metrics
 from autotune.study.recipe import TuneSetup
 from autotune.study.results import TrialRecord, metric_table
 from runtime.arch import ModelArch
+from runtime.kv_bytes import kv_bytes_per_sequence
 from runtime.policy import NO_ROTATION, PER_TENSOR, ZERO_POINT_DTYPES, KVPolicy
 
-EXACT = ("auto", "fp16", "bf16")
 VLLM_CUDA_MAX_BLOCK = 32
-MXFP4_GROUP = 32
+NVFP4_GROUP = 16
 MIB = 1 << 20
 
 
@@ -67,18 +69,36 @@ def _engine_policy(
 
 @dataclass(frozen=True)
 class EngineMapping:
-    """What an engine is told, and the kvtune policy that stores the same cache."""
+    """What an engine is told, and the kvtune policy that stores the same cache.
+
+    preset: the engine preset ("vllm/nvfp4") whose codes equal the policy's, when the export is
+    exact; None for a nearest config (a different cache).
+    """
 
     kv_cache_dtype: str
     skip_layers: tuple[int, ...]
     equivalent: KVPolicy
+    preset: str | None = None
 
 
-def vllm_mapping(policy: KVPolicy, num_layers: int) -> EngineMapping:
-    """FP8 (E4M3, per-tensor scales) where the policy quantizes, skipped layers elsewhere."""
-    levels = layer_levels(policy, num_layers)
+def _exact_mapping(policy: KVPolicy, arch: ModelArch, exact: ExactPreset) -> EngineMapping:
+    pairs = [
+        "auto/auto" if i in exact.skip_layers else "/".join(pair)
+        for i, pair in enumerate(policy.layer_pairs(arch.num_layers))
+    ]
+    equivalent = policy.replace(layer_dtypes=tuple(pairs))
+    return EngineMapping(exact.kv_cache_dtype, exact.skip_layers, equivalent, exact.name)
+
+
+def vllm_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
+    """The vLLM format storing this policy's codes, else FP8 (E4M3, per-tensor scales) where
+    the policy quantizes, skipped layers elsewhere."""
+    exact = exact_preset(policy, arch, "vllm")
+    if exact is not None:
+        return _exact_mapping(policy, arch, exact)
+    levels = layer_levels(policy, arch.num_layers)
     if all(level == "auto" for level in levels):
-        pairs = ["auto/auto"] * num_layers
+        pairs = ["auto/auto"] * arch.num_layers
         return EngineMapping("auto", (), _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
     skip = tuple(i for i, level in enumerate(levels) if level == "auto")
     pairs = ["auto/auto" if level == "auto" else "fp8/fp8" for level in levels]
@@ -86,17 +106,20 @@ def vllm_mapping(policy: KVPolicy, num_layers: int) -> EngineMapping:
 
 
 def sglang_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
-    """One dtype for all layers: the most precise any layer needs."""
+    """The SGLang format storing this policy's codes, else one dtype for all layers: the most
+    precise any layer needs (NVFP4 when every layer is FP4)."""
+    exact = exact_preset(policy, arch, "sglang")
+    if exact is not None:
+        return _exact_mapping(policy, arch, exact)
     levels = set(layer_levels(policy, arch.num_layers))
     layers = arch.num_layers
     if "auto" in levels:
         return EngineMapping("auto", (), _engine_policy(policy, ["auto/auto"] * layers, 32, "fp16"))
-    if "fp8" in levels:
+    if "fp8" in levels or arch.cached_vector_size % NVFP4_GROUP:
         pairs = ["fp8/fp8"] * layers
         return EngineMapping("fp8_e4m3", (), _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
-    group = MXFP4_GROUP if arch.cached_vector_size % MXFP4_GROUP == 0 else PER_TENSOR
     pairs = ["fp4/fp4"] * layers
-    return EngineMapping("fp4_e2m1", (), _engine_policy(policy, pairs, group, "e4m3"))
+    return EngineMapping("nvfp4", (), _engine_policy(policy, pairs, NVFP4_GROUP, "e4m3"))
 
 
 def layer_ranges(items: Sequence[str]) -> list[str]:
@@ -191,10 +214,11 @@ def sglang_args(
     ]
 
 
-def _policy_gaps(policy: KVPolicy, arch: ModelArch) -> list[str]:
-    """What no engine config here expresses, for this policy."""
+def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> list[str]:
+    """What no engine config here expresses, for this policy (its element and scale formats
+    are left out when formats_exported: an engine stores them exactly)."""
     gaps = []
-    pairs = policy.layer_pairs(arch.num_layers)
+    pairs = [] if formats_exported else policy.layer_pairs(arch.num_layers)
     if any(k != v for k, v in pairs):
         gaps.append("different K and V dtypes in a layer (engines store K and V alike)")
     if len(set(pairs)) > 1:
@@ -210,10 +234,14 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch) -> list[str]:
     if any("fp4" in pair for pair in pairs):
         gaps.append(
             f"FP4 with group_size={policy.group_size} and {policy.scale_dtype} scales "
-            "(vLLM exports FP8 instead; SGLang's fp4_e2m1 is MXFP4: power-of-two scales per 32)"
+            "(the engines' FP4 caches are nvfp4: E4M3 scales per 16 and a global scale, "
+            "nvfp4_4over6 in vLLM, fp4_mx_block16 in SGLang: power-of-two scales per 16)"
         )
     if any("fp8" in pair for pair in pairs) and policy.group_size != PER_TENSOR:
-        gaps.append(f"FP8 group scales (group_size={policy.group_size}); engines use per-tensor")
+        gaps.append(
+            f"FP8 group scales (group_size={policy.group_size}, {policy.scale_dtype}); engines "
+            "scale per tensor or, vLLM's fp8_per_token_head, with one fp32 scale per vector"
+        )
     if policy.recent_unquantized:
         gaps.append(f"the {policy.recent_unquantized} most recent tokens kept in fp16")
     if policy.compressed:
@@ -229,6 +257,43 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch) -> list[str]:
             "DeepSeek sparse-attention models); the engines keep every token on the device"
         )
     return gaps
+
+
+def _engine_lines(
+    name: str, mapping: EngineMapping, policy: KVPolicy, setup: TuneSetup
+) -> list[str]:
+    """Whether an engine config serves this trial's cache, and if not, what it costs and how
+    to measure it."""
+    arch = setup.arch
+    skip = (
+        f", kv-cache-dtype-skip-layers {index_ranges(mapping.skip_layers)}"
+        if mapping.skip_layers
+        else ""
+    )
+    head = f"- {name}: kv-cache-dtype {mapping.kv_cache_dtype}{skip}"
+    if mapping.preset is not None and policy.tensor_scale == "unit":
+        return [
+            f"{head}: the same codes as this policy (preset `{mapping.preset}`), so the accuracy "
+            "measured here carries over."
+        ]
+    if mapping.preset is not None:
+        return [
+            f"{head}: the same format as this policy (preset `{mapping.preset}`), but the engine "
+            "reads its fp32 per-layer scale from the checkpoint (1.0 without one) where kvtune "
+            f"calibrated it, so codes can differ: `kvtune evaluate policy={mapping.preset}` "
+            "measures what the engine stores."
+        ]
+    tokens = setup.workload.context_len
+    ratio = kv_bytes_per_sequence(arch, mapping.equivalent, tokens) / kv_bytes_per_sequence(
+        arch, policy, tokens
+    )
+    size = "fewer" if ratio < 1 else "more"
+    return [
+        f"{head}: the nearest config, not this policy's cache. It stores {ratio:.2f}x the "
+        f"policy's bytes ({size}), so the accuracy measured here does not carry over: evaluate "
+        "its kvtune form before serving it.",
+        f"  kvtune form: {compact_policy(mapping.equivalent, arch.num_layers)}",
+    ]
 
 
 def _number(value: float) -> str:
@@ -281,24 +346,12 @@ def notes_markdown(
         "## What the engines cannot express",
         "",
     ]
-    gaps = _policy_gaps(policy, arch)
+    exact = any(mapping.preset is not None for mapping in engines.values())
+    gaps = _policy_gaps(policy, arch, formats_exported=exact)
     lines += [f"- {gap}" for gap in gaps] or ["- nothing: the engines store this policy as is"]
-    lines += [
-        "",
-        "The exported engine configs keep at least the policy's precision in every layer "
-        "(accuracy is not lower than measured here, up to the engines' own scale handling), "
-        "at the memory cost below. To measure an engine's nearest policy with kvtune, "
-        "evaluate its kvtune form:",
-        "",
-    ]
+    lines += ["", "## The exported engine configs", ""]
     for name, mapping in engines.items():
-        skip = (
-            f", kv-cache-dtype-skip-layers {index_ranges(mapping.skip_layers)}"
-            if mapping.skip_layers
-            else ""
-        )
-        lines.append(f"- {name}: kv-cache-dtype {mapping.kv_cache_dtype}{skip}")
-        lines.append(f"  kvtune form: {compact_policy(mapping.equivalent, arch.num_layers)}")
+        lines += _engine_lines(name, mapping, policy, setup)
     lines += [
         "",
         f"## Capacity on {device.name} at the workload's context ({workload.context_len} tokens)",
@@ -356,7 +409,7 @@ def write_export(
     serve = setup.serve
     arch = setup.arch
     engines = {
-        "vLLM": vllm_mapping(policy, arch.num_layers),
+        "vLLM": vllm_mapping(policy, arch),
         "SGLang": sglang_mapping(policy, arch),
     }
     capacity = {name: engine_max_num_seqs(arch, m, device, serve) for name, m in engines.items()}

@@ -68,7 +68,7 @@ def mixed_policy() -> KVPolicy:
 
 
 def test_vllm_keeps_exact_layers_and_quantizes_the_rest_to_fp8():
-    mapping = vllm_mapping(mixed_policy(), 4)
+    mapping = vllm_mapping(mixed_policy(), ARCH)
     assert layer_levels(mixed_policy(), 4) == ["auto", "fp8", "fp4", "fp8"]
     assert mapping.kv_cache_dtype == "fp8_e4m3"
     assert mapping.skip_layers == (0,)
@@ -78,7 +78,7 @@ def test_vllm_keeps_exact_layers_and_quantizes_the_rest_to_fp8():
 
 def test_vllm_config_uses_only_engine_keys():
     policy = mixed_policy()
-    config = vllm_config(policy, vllm_mapping(policy, 4), SERVE, max_num_seqs=300)
+    config = vllm_config(policy, vllm_mapping(policy, ARCH), SERVE, max_num_seqs=300)
     assert set(config) <= VLLM_KEYS
     assert config["kv-cache-dtype-skip-layers"] == ["0"]
     assert config["block-size"] == 16 and config["max-model-len"] == 4096
@@ -89,7 +89,7 @@ def test_vllm_config_uses_only_engine_keys():
 
 def test_uniform_exact_policy_exports_auto_without_skip_list():
     policy = KVPolicy()
-    mapping = vllm_mapping(policy, 4)
+    mapping = vllm_mapping(policy, ARCH)
     assert (mapping.kv_cache_dtype, mapping.skip_layers) == ("auto", ())
     assert "kv-cache-dtype-skip-layers" not in vllm_config(policy, mapping, SERVE, 8)
 
@@ -99,8 +99,9 @@ def test_sglang_takes_the_most_precise_level_any_layer_needs():
     fp8 = KVPolicy(layer_dtypes=("fp8/fp4", "fp4/fp4", "fp4/fp4", "fp4/fp4"), group_size=16)
     assert sglang_mapping(fp8, ARCH).kv_cache_dtype == "fp8_e4m3"
     fp4 = KVPolicy(k_dtype="fp4", v_dtype="fp4", group_size=16)
-    mapping = sglang_mapping(fp4, ARCH)
-    assert mapping.kv_cache_dtype == "fp4_e2m1" and mapping.equivalent.group_size == 32
+    mapping = sglang_mapping(fp4, ARCH)  # fp16 group scales: no SGLang format stores these
+    assert mapping.kv_cache_dtype == "nvfp4" and mapping.preset is None
+    assert (mapping.equivalent.group_size, mapping.equivalent.scale_dtype) == (16, "e4m3")
     args = sglang_args(fp4, mapping, SERVE, max_running=64)
     assert {line.split()[0] for line in args} == SGLANG_OPTIONS
     assert "--page-size 16" in args and "--context-length 4096" in args
@@ -115,21 +116,21 @@ def test_integer_layers_export_as_fp8_and_are_named_as_gaps():
     assert layer_levels(policy, 4) == ["fp8", "fp8", "fp8", "auto"]
     int4 = KVPolicy(k_dtype="int4", v_dtype="int4", group_size=16)
     assert sglang_mapping(int4, ARCH).kv_cache_dtype == "fp8_e4m3"
-    assert vllm_mapping(int4, 4).kv_cache_dtype == "fp8_e4m3"
-    gaps = _policy_gaps(policy, ARCH)
+    assert vllm_mapping(int4, ARCH).kv_cache_dtype == "fp8_e4m3"
+    gaps = _policy_gaps(policy, ARCH, formats_exported=False)
     assert any("int2, int4, int8" in gap and "group of 16" in gap for gap in gaps)
     assert any("hadamard rotation" in gap for gap in gaps)
 
 
-def test_engine_configs_never_hold_less_precision_than_the_policy():
+def test_engines_keep_every_token_of_a_compressed_policy():
     policy = mixed_policy()
     ours = kv_bytes_per_sequence(ARCH, policy, 1024)
-    for mapping in (vllm_mapping(policy, 4), sglang_mapping(policy, ARCH)):
+    for mapping in (vllm_mapping(policy, ARCH), sglang_mapping(policy, ARCH)):
         assert kv_bytes_per_sequence(ARCH, mapping.equivalent, 1024) >= ours
 
 
 def test_max_num_seqs_is_what_the_target_device_fits():
-    mapping = vllm_mapping(mixed_policy(), 4)  # layer 0 bf16, layers 1-3 fp8 per tensor
+    mapping = vllm_mapping(mixed_policy(), ARCH)  # layer 0 bf16, layers 1-3 fp8 per tensor
     # A token: 2 KV heads x 64 x (K, V) x (2 B in layer 0 + 1 B in each of 3 fp8 layers).
     per_sequence = 2 * 64 * 2 * (2 + 3 * 1) * SERVE.expected_context_len
     for memory_gib in (24, 80, 141):
@@ -232,7 +233,7 @@ def test_exports_are_sized_for_the_target_device_and_notes_are_compact(tmp_path)
         device = build_device(preset("device", name))
         write_export(tmp_path / name, trial, setup, device, "s", "knee")
         vllm = yaml.safe_load((tmp_path / name / "vllm.yaml").read_text())
-        mapping = vllm_mapping(policy, 30)
+        mapping = vllm_mapping(policy, setup.arch)
         # SmolLM2: 3 KV heads x 64 dims x (K, V); layer 10 in bf16 (2 B), 29 layers fp8 (1 B).
         per_sequence = 3 * 64 * 2 * (2 + 29) * setup.workload.context_len
         budget = int(device.memory_gib * GIB * 0.9 - setup.arch.weights_bytes - GIB)
@@ -240,8 +241,99 @@ def test_exports_are_sized_for_the_target_device_and_notes_are_compact(tmp_path)
         assert vllm["max-num-seqs"] == engine_max_num_seqs(setup.arch, mapping, device, setup.serve)
         seqs[name] = vllm["max-num-seqs"]
         notes = (tmp_path / name / "NOTES.md").read_text()
-        assert "kv-cache-dtype-skip-layers 10\n" in notes
-        ranges = "layers 0-9: fp8/fp8; layer 10: auto/auto; layers 11-29: fp8/fp8"
-        assert f"kvtune form: {ranges}" in notes
+        # Per-tensor fp8 is vLLM's own fp8: exported exactly, layer 10 kept in the model dtype.
+        assert vllm["kv-cache-dtype"] == "fp8" and vllm["kv-cache-dtype-skip-layers"] == ["10"]
+        assert "kv-cache-dtype-skip-layers 10: the same format as this policy" in notes
+        assert "kvtune form: layers 0-29: auto/auto" in notes  # SGLang cannot skip layers
         assert max(line.count("fp8/fp8") for line in notes.splitlines()) <= 2
     assert seqs["h200-141gb"] > 5 * seqs["l4-24gb"] > 1024
+
+
+# The --kv-cache-dtype values the engines accept (vLLM 0.33.0 CacheConfig, SGLang 0.5.23
+# server arguments; docs/engine_formats.md).
+VLLM_KV_DTYPES = {
+    "auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head",
+    "int8_per_token_head", "int4_per_token_head", "nvfp4", "nvfp4_4over6", "turboquant_k8v4",
+    "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc",
+}  # fmt: skip
+SGLANG_KV_DTYPES = {
+    "auto", "fp8_e5m2", "fp8_e4m3", "mxfp8", "bf16", "bfloat16", "nvfp4", "fp4_mx_block16",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "vllm", "sglang"),
+    [
+        # NVFP4: E2M1, E4M3 scales per 16 (the global scale is not storage: calibrated is fine).
+        (KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3"), "nvfp4", "nvfp4"),
+        (KVPolicy("fp4_4over6", "fp4_4over6", group_size=16, scale_dtype="e4m3"),
+         "nvfp4_4over6", None),
+        (KVPolicy("fp4_ties_away", "fp4_ties_away", group_size=16, scale_dtype="ue8m0"),
+         None, "fp4_mx_block16"),
+        # One fp32 scale per vector of head_dim 64.
+        (KVPolicy("int8_symmetric", "int8_symmetric", group_size=64, scale_dtype="fp32"),
+         "int8_per_token_head", None),
+        (KVPolicy("fp8", "fp8", group_size=64, scale_dtype="fp32"), "fp8_per_token_head", None),
+        (KVPolicy("fp8", "fp8", group_size="tensor"), "fp8", "fp8_e4m3"),
+        # Near misses: another group size, a rotation, a recent fp16 window.
+        (KVPolicy("fp4", "fp4", group_size=32, scale_dtype="e4m3"), None, None),
+        (KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3", rotation="hadamard"),
+         None, None),
+        (KVPolicy("fp8", "fp8", group_size="tensor", recent_unquantized=64), None, None),
+    ],
+)  # fmt: skip
+def test_a_policy_storing_an_engine_format_exports_that_format_exactly(policy, vllm, sglang):
+    for mapping, expected, accepted in (
+        (vllm_mapping(policy, ARCH), vllm, VLLM_KV_DTYPES),
+        (sglang_mapping(policy, ARCH), sglang, SGLANG_KV_DTYPES),
+    ):
+        assert mapping.kv_cache_dtype in accepted
+        if expected is None:
+            assert mapping.preset is None
+        else:
+            assert (mapping.kv_cache_dtype, mapping.preset is not None) == (expected, True)
+            assert mapping.equivalent.layer_pairs(4) == policy.layer_pairs(4)
+
+
+def test_vllm_skips_exact_layers_of_an_engine_format_and_sglang_cannot():
+    pairs = ("fp16/fp16", "fp8/fp8", "fp8/fp8", "bf16/bf16")
+    policy = KVPolicy(layer_dtypes=pairs, group_size=64, scale_dtype="fp32")
+    vllm = vllm_mapping(policy, ARCH)
+    assert (vllm.kv_cache_dtype, vllm.skip_layers, vllm.preset) == (
+        "fp8_per_token_head",
+        (0, 3),
+        "vllm/fp8_per_token_head",
+    )
+    assert sglang_mapping(policy, ARCH).preset is None
+
+
+def test_notes_say_when_an_engine_config_is_not_the_measured_cache(tmp_path):
+    # fp8 with fp16 scales per 16: vLLM's nearest (per-tensor fp8) stores fewer bytes, so it is
+    # not the cache the trial measured and the notes must not vouch for its accuracy.
+    setup = smollm_chat_setup()
+    policy = KVPolicy("fp8", "fp8", group_size=16)
+    trial = TrialRecord(1, "COMPLETE", policy, {"accuracy_retention": 0.98}, True, None, None)
+    write_export(tmp_path, trial, setup, build_device(preset("device", "cpu")), "s", "knee")
+    notes = (tmp_path / "NOTES.md").read_text()
+    # Per vector of 64: fp8 per tensor 64 B against 64 + 4 fp16 scales = 72 B.
+    ratio = 64 / 72
+    assert (
+        f"- vLLM: kv-cache-dtype fp8_e4m3: the nearest config, not this policy's cache. It "
+        f"stores {ratio:.2f}x the policy's bytes (fewer)"
+    ) in notes
+    assert "carries over" not in notes and "at least the policy's precision" not in notes
+    assert "FP8 group scales (group_size=16, fp16)" in notes
+
+
+def test_notes_vouch_for_an_engine_storing_the_measured_codes(tmp_path):
+    setup = smollm_chat_setup()
+    policy = KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3", tensor_scale="unit")
+    trial = TrialRecord(1, "COMPLETE", policy, {"accuracy_retention": 0.9}, True, None, None)
+    write_export(tmp_path, trial, setup, build_device(preset("device", "cpu")), "s", "knee")
+    notes = (tmp_path / "NOTES.md").read_text()
+    for engine, preset_name in (("vLLM", "vllm/nvfp4"), ("SGLang", "sglang/nvfp4")):
+        assert (
+            f"- {engine}: kv-cache-dtype nvfp4: the same codes as this policy (preset "
+            f"`{preset_name}`), so the accuracy measured here carries over."
+        ) in notes
+    assert "- nothing: the engines store this policy as is" in notes
