@@ -11,13 +11,15 @@ summary is stored already rotated to its centre, so reading it costs nothing.
 RoPE here is the half-split pair layout of the model (runtime/model.py, apply_rope): channel i
 pairs with i + D/2 and a turn by angle a maps (x_i, x_{i+D/2}) to
 (x_i cos a - x_{i+D/2} sin a, x_{i+D/2} cos a + x_i sin a). Matrices act on row vectors
-(x @ M), like kernels/rotation.py; a cache rotated by R (x R) is un-rotated, turned and rotated
-back: M_t = R^T T_t R.
+(x @ M), like kernels/rotation.py; a cache rotated by R (x R, R R^T = gain I) is un-rotated,
+turned and rotated back: M_t = R^T T_t R / gain.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.rotation import Rotation
 
 
 def rope_turn(inv_freq: torch.Tensor, offset: float) -> torch.Tensor:
@@ -35,13 +37,13 @@ def rope_turn(inv_freq: torch.Tensor, offset: float) -> torch.Tensor:
 
 
 def summary_alignment(
-    inv_freq: torch.Tensor, ratio: int, rotation: torch.Tensor | None
+    inv_freq: torch.Tensor, ratio: int, rotation: Rotation | None
 ) -> torch.Tensor:
     """fp32 [ratio, D, D]: the matrix applied to token t of a group before the mean, turning it
     to the group's centre (in the cache's rotated space when `rotation` R is given)."""
     centre = (ratio - 1) / 2
     turns = torch.stack([rope_turn(inv_freq.cpu(), centre - t) for t in range(ratio)])
     if rotation is not None:
-        rotation = rotation.float().cpu()
-        turns = rotation.T @ turns @ rotation
+        matrix = rotation.matrix.float().cpu()
+        turns = matrix.T @ turns @ matrix / rotation.gain
     return turns.to(inv_freq.device).contiguous()

@@ -1,31 +1,56 @@
-"""Orthonormal rotations of K and V along head_dim, applied before they are quantized.
+"""Rotations of K and V along head_dim, applied before they are quantized.
 
 Keys have a few outlier channels that set a per-token group scale and leave the other channels
 two or three codes (DESIGN.md section 2). A randomized Hadamard rotation spreads every channel
-over all coordinates, so groups see near-Gaussian values. Because R is orthonormal (R R^T = I):
+over all coordinates, so groups see near-Gaussian values. A rotation is a matrix R with
+R R^T = gain * I (gain 1: orthonormal; vLLM's unnormalized transform: gain = its block size):
 
-    (q R) . (k R) = q . k            rotate queries and keys alike, logits unchanged
-    softmax(...) (V R) R^T = softmax(...) V     un-rotate the attention output
+    (q R / gain) . (k R) = q . k               rotate queries and keys, logits unchanged
+    softmax(...) (V R) R^T / gain = softmax(...) V     un-rotate the attention output
 
-Rotations act on row vectors: rotated = x @ R, restored = rotated @ R^T. They are a torch matmul
-beside the kernels: the cache stores rotated K and V, and the kernels read codes in place.
+Rotations act on row vectors: keys and values are cached as x @ R, queries read them as
+q @ R / gain, outputs return as out @ R^T / gain. They are a torch matmul beside the kernels:
+the cache stores rotated K and V, and the kernels read codes in place. gain is a power of two,
+so dividing by it is exact.
 
-Registry: `ROTATIONS` maps a policy's `rotation` name to a builder (head_dim, layer) -> R, fp32
-[head_dim, head_dim], or None for no rotation.
+Registry: `ROTATIONS` maps a policy's `rotation` name to a builder (head_dim, layer) -> Rotation,
+or None for no rotation.
 
-Seed rule (hadamard): the random signs of layer l are `torch.randint(0, 2, (D,))` drawn from
-`torch.Generator().manual_seed(HADAMARD_SEED + l)` on the CPU, mapped 0 -> -1, 1 -> +1, so every
-run, device and process rotates layer l the same way; K, V and the queries of a layer share R.
+hadamard (kvtune's): R = diag(s_l) H / sqrt(D), the random signs of layer l drawn as
+`torch.randint(0, 2, (D,))` from `torch.Generator().manual_seed(HADAMARD_SEED + l)` on the CPU,
+mapped 0 -> -1, 1 -> +1, so every run, device and process rotates layer l the same way; K, V
+and the queries of a layer share R.
+
+vllm_rht (vLLM 0.33.0's int4_per_token_head, docs/engine_formats.md): one unnormalized
+randomized Hadamard transform for every layer, y = H_b (s * x) in each block of b coordinates
+(b the largest power-of-two divisor of head_dim), s = 2 * bernoulli(0.5) - 1 drawn from a CPU
+generator seeded VLLM_RHT_SEED; gain b. vLLM casts the rotated K and V back to the model dtype
+before quantizing them (round_to_input).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 HADAMARD_SEED = 0
+VLLM_RHT_SEED = 0x9E3779B9
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """matrix: fp32 [D, D] with matrix @ matrix.T = gain * I; round_to_input: rotated K and V
+    are cast back to the dtype they came in before they are quantized."""
+
+    matrix: torch.Tensor
+    gain: float = 1.0
+    round_to_input: bool = False
+
+    def to(self, device: torch.device | str) -> Rotation:
+        return Rotation(self.matrix.to(device), self.gain, self.round_to_input)
 
 
 def is_power_of_two(n: int) -> bool:
@@ -57,9 +82,25 @@ def randomized_hadamard(head_dim: int, layer: int) -> torch.Tensor:
     return signs[:, None] * hadamard_matrix(head_dim) / math.sqrt(head_dim)
 
 
-ROTATIONS: dict[str, Callable[[int, int], torch.Tensor | None]] = {
+def largest_power_of_two_divisor(n: int) -> int:
+    return n & -n
+
+
+def vllm_rht_matrix(head_dim: int) -> torch.Tensor:
+    """vLLM's transform as a row-vector matrix: block-diagonal diag(s) H_b (x @ it = H_b (s*x)
+    per block, H_b symmetric), s from torch's CPU Bernoulli sampler as vLLM draws it."""
+    block = largest_power_of_two_divisor(head_dim)
+    generator = torch.Generator().manual_seed(VLLM_RHT_SEED)
+    signs = torch.bernoulli(torch.full((block,), 0.5), generator=generator) * 2 - 1
+    return torch.block_diag(*[signs[:, None] * hadamard_matrix(block)] * (head_dim // block))
+
+
+ROTATIONS: dict[str, Callable[[int, int], Rotation | None]] = {
     "none": lambda head_dim, layer: None,
-    "hadamard": randomized_hadamard,
+    "hadamard": lambda head_dim, layer: Rotation(randomized_hadamard(head_dim, layer)),
+    "vllm_rht": lambda head_dim, layer: Rotation(
+        vllm_rht_matrix(head_dim), float(largest_power_of_two_divisor(head_dim)), True
+    ),
 }
 
 
@@ -73,21 +114,29 @@ def check_rotation(name: str, head_dim: int) -> None:
 
 def rotation_matrix(
     name: str, head_dim: int, layer: int, device: torch.device | str = "cpu"
-) -> torch.Tensor | None:
-    """The fp32 rotation of one layer on device, or None for `none`."""
+) -> Rotation | None:
+    """The rotation of one layer on device, or None for `none`."""
     check_rotation(name, head_dim)
-    matrix = ROTATIONS[name](head_dim, layer)
-    return None if matrix is None else matrix.to(device)
+    rotation = ROTATIONS[name](head_dim, layer)
+    return None if rotation is None else rotation.to(device)
 
 
-def rotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Rotated vectors x [..., D] @ R, fp32 (quantize from full precision). Computed in fp64
-    and rounded once, so a vector rotates to the same bits whatever batch it comes in (an fp32
-    matmul's summation order depends on the batch shape, and a flipped code would make a
-    prefill chunk differ from decode)."""
-    return (x.double() @ matrix.double()).float()
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Rotated keys or values x [..., D] @ R, fp32 (quantize from full precision; cast back to
+    x's dtype first when the rotation says so). Computed in fp64 and rounded once, so a vector
+    rotates to the same bits whatever batch it comes in (an fp32 matmul's summation order
+    depends on the batch shape, and a flipped code would make a prefill chunk differ from
+    decode)."""
+    rotated = (x.double() @ rotation.matrix.double()).float()
+    return rotated.to(x.dtype).float() if rotation.round_to_input else rotated
 
 
-def unrotate(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """Undo `rotate`: x [..., D] @ R^T, fp32 (via fp64, as rotate)."""
-    return (x.double() @ matrix.double().T).float()
+def rotate_queries(q: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Queries q [..., D] @ R / gain, fp32 (via fp64): their dot products with rotated keys
+    equal the unrotated ones."""
+    return (q.double() @ rotation.matrix.double() / rotation.gain).float()
+
+
+def unrotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """Undo `rotate` on attention outputs: x [..., D] @ R^T / gain, fp32 (via fp64)."""
+    return (x.double() @ rotation.matrix.double().T / rotation.gain).float()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels.kv_format import KVFormat
-from kernels.rotation import rotate
+from kernels.rotation import Rotation, rotate
 from runtime.kv_bytes import LayerFormats
 from runtime.model import DecoderModel, DenseCausalAttention
 from runtime.tokenizer import Tokenizer
@@ -83,7 +83,7 @@ class _AmaxRecorder:
     """Dense attention that also records each layer's largest |K| and |V| as cached: rotated
     first in the layers the cache rotates."""
 
-    def __init__(self, num_tokens: int, rotations: list[torch.Tensor | None]) -> None:
+    def __init__(self, num_tokens: int, rotations: list[Rotation | None]) -> None:
         self.attention = DenseCausalAttention([num_tokens])
         self.rotations = rotations
         self.k_amax = [0.0] * len(rotations)
@@ -106,7 +106,7 @@ def calibrate_tensor_scales(
     model: DecoderModel,
     token_ids: list[int],
     formats: list[LayerFormats],
-    rotations: list[torch.Tensor | None] | None = None,
+    rotations: list[Rotation | None] | None = None,
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """(K scale, V scale) per layer; skips the forward pass when no format needs one.
     rotations: per layer, the rotation the cache stores K and V in (None: none anywhere)."""

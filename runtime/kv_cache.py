@@ -36,7 +36,7 @@ from kernels.compress import compress_blocks_ref
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, copy_blocks
 from kernels.rope_align import summary_alignment
-from kernels.rotation import rotate, rotation_matrix, unrotate
+from kernels.rotation import Rotation, rotate, rotate_queries, rotation_matrix, unrotate
 from kernels.selection import select_blocks, write_key_bounds
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
@@ -101,8 +101,8 @@ class StepLayout:
 
 def layer_rotations(
     arch: ModelArch, policy: KVPolicy, device: torch.device | str
-) -> list[torch.Tensor | None]:
-    """Per layer, the fp32 [D, D] rotation its K and V are cached in (policy.rotation), or None:
+) -> list[Rotation | None]:
+    """Per layer, the rotation its K and V are cached in (policy.rotation), or None:
     layers with a quantized stream are rotated, all their pools alike."""
     return [
         rotation_matrix(policy.rotation, arch.cached_vector_size, layer, device)
@@ -351,7 +351,8 @@ class KVCache:
         """Write this step's K/V of one layer, then attend its queries over the cache."""
         dtype, rotation = q.dtype, self.rotations[layer]
         if rotation is not None:  # q.k is unchanged; the output is rotated back below
-            q, k, v = rotate(q, rotation), rotate(k, rotation), rotate(v, rotation)
+            q = rotate_queries(q, rotation)
+            k, v = rotate(k, rotation), rotate(v, rotation)
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])

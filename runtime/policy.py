@@ -108,8 +108,9 @@ class KVPolicy:
     chunk_size: prefill chunk in tokens, a multiple of block_size.
     rotation: none, or hadamard: an orthonormal randomized Hadamard rotation of K and V along
         head_dim in every layer with a quantized K or V stream, applied before they are cached
-        (queries rotated alike, the attention output rotated back; kernels/rotation.py). It
-        costs no cache bytes.
+        (queries rotated alike, the attention output rotated back; kernels/rotation.py), or
+        vllm_rht: vLLM's int4_per_token_head transform (unnormalized, one sign vector for all
+        layers, rotated K and V cast back to the model dtype). It costs no cache bytes.
     tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
         text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use
         without checkpoint k_scale / v_scale: the engine presets).
@@ -342,12 +343,12 @@ class KVPolicy:
                 self.rotation,
                 f"{NO_ROTATION} on an MLA model (it caches one latent, not K and V per head)",
             )
-        if not is_power_of_two(arch.cached_vector_size):
+        if self.rotation == "hadamard" and not is_power_of_two(arch.cached_vector_size):
             raise ConfigError(
                 _field("rotation"),
                 self.rotation,
-                f"{NO_ROTATION} (the Hadamard rotation needs a power-of-two head_dim; the model "
-                f"has head_dim={arch.cached_vector_size})",
+                f"{NO_ROTATION} or vllm_rht (the Hadamard rotation needs a power-of-two "
+                f"head_dim; the model has head_dim={arch.cached_vector_size})",
             )
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from kernels.compress import compress_blocks, compress_blocks_ref
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
 from kernels.rope_align import summary_alignment
-from kernels.rotation import randomized_hadamard
+from kernels.rotation import rotation_matrix
 from runtime.model import apply_rope
 
 HEADS, BLOCK = 2, 16
@@ -24,17 +24,17 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> t
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("ratio", [2, 4, 8])
-@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("rotation_name", ["none", "hadamard", "vllm_rht"])
 @pytest.mark.parametrize("compress", [compress_blocks, compress_blocks_ref])
-def test_pooled_keys_equal_rope_of_the_mean_of_raw_keys(head_dim, ratio, rotated, compress):
+def test_pooled_keys_equal_rope_of_the_mean_of_raw_keys(head_dim, ratio, rotation_name, compress):
     generator = torch.Generator().manual_seed(head_dim + ratio)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     raw = torch.randn(BLOCK, HEADS, head_dim, generator=generator)
     positions = torch.arange(BLOCK) + 3 * BLOCK
     cached = _rope(raw, positions, inv_freq)
-    rotation = randomized_hadamard(head_dim, 5) if rotated else None
+    rotation = rotation_matrix(rotation_name, head_dim, 5)
     if rotation is not None:
-        cached = cached @ rotation
+        cached = cached @ rotation.matrix
     source = KVPool.allocate(KVFormat("fp32"), 4, BLOCK, HEADS, head_dim)
     write_vectors_ref(source, torch.arange(BLOCK) + 2 * BLOCK, cached)
     target = KVPool.allocate(KVFormat("fp32"), 1, BLOCK, HEADS, head_dim)
@@ -43,7 +43,7 @@ def test_pooled_keys_equal_rope_of_the_mean_of_raw_keys(head_dim, ratio, rotated
     compress(source, torch.tensor([2]), target, slots, ratio, align)
     pooled = read_vectors_ref(target, slots)
     if rotation is not None:
-        pooled = pooled @ rotation.T
+        pooled = pooled @ rotation.matrix.T / rotation.gain
     centres = positions.double().unflatten(0, (-1, ratio)).mean(1)
     expected = _rope(raw.unflatten(0, (-1, ratio)).mean(1), centres, inv_freq)
     torch.testing.assert_close(pooled, expected, atol=2e-5, rtol=0)
@@ -75,7 +75,7 @@ def test_quantized_destination_matches_reference_within_a_code():
         torch.arange(3 * BLOCK),
         torch.randn(3 * BLOCK, HEADS, head_dim, generator=generator),
     )
-    align = summary_alignment(inv_freq, ratio, randomized_hadamard(head_dim, 1))
+    align = summary_alignment(inv_freq, ratio, rotation_matrix("hadamard", head_dim, 1))
     pools = [KVPool.allocate(KVFormat("fp8", 32), 2, BLOCK, HEADS, head_dim) for _ in range(2)]
     slots = torch.arange(2 * BLOCK // ratio) + 3
     for compress, pool in zip((compress_blocks, compress_blocks_ref), pools, strict=True):

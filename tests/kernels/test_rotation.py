@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,9 +18,11 @@ from kernels.rotation import (
     hadamard_matrix,
     randomized_hadamard,
     rotate,
+    rotate_queries,
     rotation_matrix,
     unrotate,
 )
+from tests.kernels import engine_formats_ref as ref
 
 
 def _sylvester(size: int) -> torch.Tensor:
@@ -42,7 +45,7 @@ def test_hadamard_matrix_matches_scipy() -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotation_is_orthonormal_and_follows_the_seed_rule(head_dim: int) -> None:
     """R = diag(s_l) H / sqrt(D), s_l = 2 * randint(0, 2) - 1 from a CPU generator seeded l."""
-    matrices = [rotation_matrix("hadamard", head_dim, layer) for layer in range(4)]
+    matrices = [rotation_matrix("hadamard", head_dim, layer).matrix for layer in range(4)]
     sylvester = _sylvester(head_dim)
     for layer, matrix in enumerate(matrices):
         generator = torch.Generator().manual_seed(layer)
@@ -65,11 +68,17 @@ def test_attention_is_unchanged_by_rotating_q_k_v_and_unrotating_the_output(
     k = torch.randn(1, num_kv_heads, tokens, head_dim, generator=generator) * 3
     v = torch.randn(1, num_kv_heads, tokens, head_dim, generator=generator)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    matrix = rotation_matrix("hadamard", head_dim, layer=5)
-    rotated = F.scaled_dot_product_attention(
-        rotate(q, matrix), rotate(k, matrix), rotate(v, matrix), is_causal=True, enable_gqa=True
-    )
-    assert torch.allclose(unrotate(rotated, matrix), expected, atol=1e-5, rtol=1e-5)
+    for name in ("hadamard", "vllm_rht"):
+        rotation = rotation_matrix(name, head_dim, layer=5)
+        rotated = F.scaled_dot_product_attention(
+            rotate_queries(q, rotation),
+            rotate(k, rotation),
+            rotate(v, rotation),
+            is_causal=True,
+            enable_gqa=True,
+            scale=head_dim**-0.5,
+        )
+        assert torch.allclose(unrotate(rotated, rotation), expected, atol=1e-5, rtol=1e-5), name
 
 
 def test_rotation_shrinks_the_logit_error_of_keys_with_outlier_channels() -> None:
@@ -82,15 +91,35 @@ def test_rotation_shrinks_the_logit_error_of_keys_with_outlier_channels() -> Non
     keys = torch.randn(256, head_dim, generator=generator)
     keys[:, [5, 37]] *= 30
     queries = torch.randn(16, head_dim, generator=generator)
-    matrix = rotation_matrix("hadamard", head_dim, layer=0)
+    rotation = rotation_matrix("hadamard", head_dim, layer=0)
 
     def stored(x: torch.Tensor) -> torch.Tensor:
         return dequantize_ref(*quantize_ref(x, fmt), fmt, None, head_dim)
 
     exact = queries @ keys.T
     plain_error = (queries @ stored(keys).T - exact).abs().mean()
-    rotated_error = (rotate(queries, matrix) @ stored(rotate(keys, matrix)).T - exact).abs().mean()
+    rotated_keys = stored(rotate(keys, rotation))
+    rotated_error = (rotate_queries(queries, rotation) @ rotated_keys.T - exact).abs().mean()
     assert rotated_error < plain_error / 2
+
+
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+def test_vllm_rht_is_vllms_transform_with_its_block_gain(head_dim: int) -> None:
+    # The oracle: the numpy reference written from vLLM's int4_per_token_head source.
+    rotation = rotation_matrix("vllm_rht", head_dim, layer=7)
+    assert rotation.gain == {64: 64, 96: 32, 128: 128}[head_dim] and rotation.round_to_input
+    x = torch.randn(5, head_dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = ref.rht(x.numpy())
+    # fp64 sums in another order: equal up to the last bits.
+    np.testing.assert_allclose(
+        (x @ rotation.matrix.double()).numpy(), expected, rtol=1e-13, atol=1e-12
+    )
+    np.testing.assert_allclose(
+        ref.rht(expected, inverse=True) / rotation.gain, x, rtol=1e-13, atol=1e-12
+    )
+    assert torch.equal(rotation.matrix, rotation_matrix("vllm_rht", head_dim, layer=0).matrix)
+    bf16 = x.to(torch.bfloat16)
+    assert torch.equal(rotate(bf16, rotation), rotate(bf16.float(), rotation).bfloat16().float())
 
 
 def test_refuses_unknown_rotations_and_sizes_hadamard_cannot_rotate() -> None:

@@ -25,24 +25,28 @@ def _round_trip(x: torch.Tensor, fmt) -> torch.Tensor:
 
 
 class _RotatedFakeQuantAttention:
-    """Dense causal attention over K, V -> x R -> quantize-dequantize -> x R^T, per layer."""
+    """Dense causal attention over K, V -> x R -> quantize-dequantize -> x R^T / gain, per
+    layer (R R^T = gain I)."""
 
     def __init__(self, llm: LLM, num_tokens: int) -> None:
         self.dense = DenseCausalAttention([num_tokens])
         self.formats = layer_formats(llm.arch, llm.policy)
         self.head_dim = llm.arch.head_dim
+        self.rotation = llm.policy.rotation
 
     def __call__(self, layer: int, q, k, v):
-        matrix = rotation_matrix("hadamard", self.head_dim, layer)
+        rotation = rotation_matrix(self.rotation, self.head_dim, layer)
+        matrix, gain = rotation.matrix.double(), rotation.gain
         formats = self.formats[layer]
-        k = _round_trip(k.float() @ matrix, formats.k) @ matrix.T
-        v = _round_trip(v.float() @ matrix, formats.v) @ matrix.T
-        return self.dense(layer, q, k, v)
+        k = _round_trip((k.double() @ matrix).float(), formats.k).double() @ matrix.T / gain
+        v = _round_trip((v.double() @ matrix).float(), formats.v).double() @ matrix.T / gain
+        return self.dense(layer, q, k.float(), v.float())
 
 
-def test_rotated_cache_equals_dense_attention_over_rotated_round_trips(tiny_llama):
+@pytest.mark.parametrize("rotation", ["hadamard", "vllm_rht"])
+def test_rotated_cache_equals_dense_attention_over_rotated_round_trips(tiny_llama, rotation):
     tokens = random_tokens(40, seed=5)
-    llm = LLM(str(tiny_llama), policy=ROTATED, max_model_len=64)
+    llm = LLM(str(tiny_llama), policy=ROTATED.replace(rotation=rotation), max_model_len=64)
     logits = llm.prompt_logits(tokens)
     oracle = _RotatedFakeQuantAttention(llm, len(tokens))
     ids = torch.tensor(tokens)
@@ -59,7 +63,7 @@ def test_rotation_matrices_are_built_once_and_only_for_quantized_layers(tiny_lla
     policy = ROTATED.replace(layer_dtypes=layers)
     cache = LLM(str(tiny_llama), policy=policy, max_model_len=64).engine.cache
     assert cache.rotations[0] is None
-    assert torch.equal(cache.rotations[1], rotation_matrix("hadamard", 32, 1))
+    assert torch.equal(cache.rotations[1].matrix, rotation_matrix("hadamard", 32, 1).matrix)
 
 
 def test_triton_backend_agrees_with_torch_on_a_rotated_compressed_cache(tiny_llama):
@@ -85,7 +89,7 @@ def test_tensor_scales_are_calibrated_on_the_rotated_vectors_the_cache_stores(ti
     rotated_amax = {}
 
     def record(layer, q, k, v):
-        matrix = rotation_matrix("hadamard", 32, layer)
+        matrix = rotation_matrix("hadamard", 32, layer).matrix
         rotated_amax[layer] = [(x.float() @ matrix).abs().max().item() for x in (k, v)]
         return dense(layer, q, k, v)
 
