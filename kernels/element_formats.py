@@ -10,8 +10,10 @@ CODE values of the device helpers: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E
 CODE_E2M1_TIES_AWAY (E2M1 rounded as SGLang's fp4_mx_block16 does: halfway values away from
 zero), CODE_E2M1_4OVER6 (E2M1 whose group scale is amax / 6 or amax / 4, whichever reconstructs
 the group with the smaller squared error: vLLM's nvfp4_4over6), CODE_INT8_SYMMETRIC (signed
-int8 codes with a symmetric scale, vLLM's int8_per_token_head), and CODE_UINT + bits for the
-unsigned integer codes of the asymmetric formats.
+int8 codes with a symmetric scale, vLLM's int8_per_token_head), CODE_INT4_ZERO_IN_SCALE (int4
+codes whose integer zero point sits in the low bits of an fp32 scale, vLLM's
+int4_per_token_head: `kernels.zero_in_scale_codes`), and CODE_UINT + bits for the unsigned
+integer codes of the asymmetric formats.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from kernels.fp_codes import (
 )
 from kernels.int_codes import encode_uint_ref, pack_codes_ref, unpack_codes_ref
 from kernels.symmetric_int_codes import decode_int8_symmetric_ref, encode_int8_symmetric_ref
+from kernels.zero_in_scale_codes import encode_zero_in_scale_ref
 
 CODE_FLOAT = 0
 CODE_E4M3 = 1
@@ -39,6 +42,7 @@ CODE_E2M1 = 2
 CODE_E2M1_TIES_AWAY = 3
 CODE_INT8_SYMMETRIC = 4
 CODE_E2M1_4OVER6 = 5
+CODE_INT4_ZERO_IN_SCALE = 6
 CODE_UINT = 16
 
 
@@ -56,6 +60,7 @@ class ElementFormat:
     alt_max_code: symmetric formats only: a second scale candidate amax / alt_max_code; each
         group keeps the candidate whose reconstruction has the smaller squared error (the first
         on a tie). 0 = one candidate.
+    scale_dtype: the one scale dtype the format's scale words need (None: any).
     """
 
     bits: int
@@ -65,6 +70,7 @@ class ElementFormat:
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
     alt_max_code: float = 0.0
+    scale_dtype: str | None = None
 
     @property
     def per_byte(self) -> int:
@@ -118,6 +124,15 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
         False,
         encode_int8_symmetric_ref,
         decode_int8_symmetric_ref,
+    ),
+    "int4_zp_in_scale": ElementFormat(
+        4,
+        CODE_INT4_ZERO_IN_SCALE,
+        15.0,
+        False,
+        lambda units: pack_codes_ref(encode_zero_in_scale_ref(units), 4),
+        lambda packed: unpack_codes_ref(packed, 4).float(),
+        scale_dtype="fp32",
     ),
     "int8": _uint_format(8),
     "int4": _uint_format(4),

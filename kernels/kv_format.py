@@ -44,7 +44,9 @@ class KVFormat:
         element 2i in the low nibble, element 2i+1 in the high nibble), fp4_ties_away (the same
         codes rounded with halfway values away from zero, SGLang's), fp4_4over6 (E2M1 codes,
         each group scaled by amax / 6 or amax / 4, whichever reconstructs it better: vLLM's
-        nvfp4_4over6; needs a group_size), or the asymmetric
+        nvfp4_4over6; needs a group_size), int4_zp_in_scale (vLLM's int4_per_token_head codes:
+        an integer zero point in the low bits of each fp32 group scale; needs scale_dtype fp32),
+        or the asymmetric
         uniform int8 | int4 | int2 (unsigned codes packed the same way, a scale and a zero
         point per group; see `kernels.element_formats`).
     group_size: elements along head_dim sharing one scale (and zero point); None means one fp32
@@ -98,6 +100,16 @@ class KVFormat:
             raise ValueError(
                 f"token_group={self.token_group}: needs group scales (a quantized format with a "
                 "group_size)"
+            )
+        needed = self.element.scale_dtype if self.quantized else None
+        if needed is not None and self.scale_dtype != needed:
+            raise ValueError(
+                f"scale_dtype={self.scale_dtype!r}: {self.dtype} keeps its zero point inside an "
+                f"{needed} scale word; allowed ['{needed}']"
+            )
+        if needed is not None and self.group_size is None:
+            raise ValueError(
+                f"group_size=None: {self.dtype} needs a group size (a scale word per group)"
             )
         if self.zero_point and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
             raise ValueError(

@@ -82,6 +82,15 @@ from kernels.int_codes import encode_uint
 from kernels.kv_format import KVFormat
 from kernels.scale_formats import decode_scale, encode_scale, scale_floor, scale_reciprocal
 from kernels.symmetric_int_codes import decode_int8_symmetric, encode_int8_symmetric
+from kernels.zero_in_scale_codes import (
+    encode_zero_in_scale,
+    split_scale_word,
+    split_scale_word_ref,
+    zero_in_scale_parameters,
+    zero_in_scale_parameters_ref,
+    zero_in_scale_units,
+    zero_in_scale_units_ref,
+)
 
 # Element code kinds, the CODE constexpr of the device helpers (CODE_UINT + bits for integers).
 CODE_FLOAT = tl.constexpr(element_formats.CODE_FLOAT)
@@ -89,6 +98,7 @@ CODE_E4M3 = tl.constexpr(element_formats.CODE_E4M3)
 CODE_E2M1 = tl.constexpr(element_formats.CODE_E2M1)
 CODE_E2M1_TIES_AWAY = tl.constexpr(element_formats.CODE_E2M1_TIES_AWAY)
 CODE_E2M1_4OVER6 = tl.constexpr(element_formats.CODE_E2M1_4OVER6)
+CODE_INT4_ZERO_IN_SCALE = tl.constexpr(element_formats.CODE_INT4_ZERO_IN_SCALE)
 CODE_INT8_SYMMETRIC = tl.constexpr(element_formats.CODE_INT8_SYMMETRIC)
 CODE_UINT = tl.constexpr(element_formats.CODE_UINT)
 
@@ -100,7 +110,7 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
     CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY,
-    CODE_E2M1_4OVER6,
+    CODE_E2M1_4OVER6, CODE_INT4_ZERO_IN_SCALE,
     CODE_INT8_SYMMETRIC or CODE_UINT + bits (asymmetric integer codes with zero points);
     GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_DTYPE: the SCALE code of the
     group scales' dtype (0 fp16, 1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP:
@@ -201,7 +211,11 @@ def load_dequant_tile(
             scale_rows = (rows.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head
             offsets = scale_rows[:, None] * (NUM_GROUPS * PARAMS) + dims[None, :] // GROUP_SIZE
             stored = tl.load(scales_ptr + offsets, mask=dmask, other=0)
-            values = values * decode_scale(stored, SCALE_DTYPE)
+            if CODE == CODE_INT4_ZERO_IN_SCALE:
+                scale, zero = split_scale_word(stored)
+                values = (values - zero) * scale
+            else:
+                values = values * decode_scale(stored, SCALE_DTYPE)
             if ZERO_POINT:
                 zero = tl.load(scales_ptr + offsets + NUM_GROUPS, mask=dmask, other=0)
                 values = values + zero.to(tl.float32)
@@ -253,14 +267,18 @@ def _group_parameters(
     BLOCK_R: tl.constexpr = scaled.shape[0]
     NUM_GROUPS: tl.constexpr = scaled.shape[1] // GROUP_SIZE
     grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
-    if ZERO_POINT:
+    if CODE == CODE_INT4_ZERO_IN_SCALE:
+        low, high = tl.min(grouped, axis=2), tl.max(grouped, axis=2)
+        scale, zero, stored = zero_in_scale_parameters(low, high)
+    elif ZERO_POINT:
         stored_zero = tl.min(grouped, axis=2).to(tl.float16)
         zero = stored_zero.to(tl.float32)
         span = tl.maximum(tl.max(grouped, axis=2) - zero, 0.0)
+        stored, scale = _group_scale(span, SCALE, MAX_CODE)
     else:
         zero = tl.zeros((BLOCK_R, NUM_GROUPS), tl.float32)
         span = tl.max(tl.abs(grouped), axis=2)
-    stored, scale = _group_scale(span, SCALE, MAX_CODE)
+        stored, scale = _group_scale(span, SCALE, MAX_CODE)
     if ALT_MAX_CODE > 0:
         stored_alt, scale_alt = _group_scale(span, SCALE, ALT_MAX_CODE)
         use_alt = _e2m1_squared_error(grouped, scale_alt) < _e2m1_squared_error(grouped, scale)
@@ -298,6 +316,8 @@ def _store_codes(
         codes = encode_e2m1_ties_away(scaled).to(tl.int32)
     elif CODE == CODE_INT8_SYMMETRIC:
         codes = encode_int8_symmetric(scaled)
+    elif CODE == CODE_INT4_ZERO_IN_SCALE:
+        codes = encode_zero_in_scale(scaled)
     else:
         codes = encode_uint(scaled, BITS)
     if PER_BYTE > 1:
@@ -313,10 +333,13 @@ def _store_codes(
 
 
 @triton.jit
-def _to_code_units(grouped, scale, zero, ZERO_POINT: tl.constexpr, RECIPROCAL: tl.constexpr):
+def _to_code_units(grouped, scale, zero, CODE: tl.constexpr, RECIPROCAL: tl.constexpr):
     """(x - zero) / scale per group, or (x - zero) * fp32(1 / scale) with RECIPROCAL (0 where a
-    group's scale is 0); grouped [..., G, n] with scale and zero broadcastable to it."""
-    if ZERO_POINT:
+    group's scale is 0; zero is 0 for symmetric CODEs), or x * fp32(1 / scale) + zero for the
+    zero-in-scale int4 codes; grouped [..., G, n] with scale and zero broadcastable to it."""
+    if CODE == CODE_INT4_ZERO_IN_SCALE:
+        return zero_in_scale_units(grouped, scale, zero)
+    if CODE > CODE_UINT:
         grouped = grouped - zero
     divisor = tl.where(scale == 0.0, 1.0, scale)
     if RECIPROCAL:
@@ -363,7 +386,6 @@ def quantize_store_tile(
         if GROUP_SIZE > 0:
             NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
             grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
-            ZERO_POINT: tl.constexpr = CODE > CODE_UINT
             scale, zero = _group_parameters(
                 scaled, scales_ptr, vectors, mask, HEAD_DIM, GROUP_SIZE, SCALE_DTYPE, CODE
             )
@@ -371,7 +393,7 @@ def quantize_store_tile(
                 grouped,
                 scale[:, :, None],
                 zero[:, :, None],
-                ZERO_POINT,
+                CODE,
                 scale_reciprocal(SCALE_DTYPE),
             )
             scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
@@ -397,7 +419,6 @@ def quantize_store_token_groups(
     TOKEN_GROUP: tl.constexpr = values.shape[0]
     BLOCK_D: tl.constexpr = values.shape[1]
     NUM_GROUPS: tl.constexpr = BLOCK_D // GROUP_SIZE
-    ZERO_POINT: tl.constexpr = CODE > CODE_UINT
     dims = tl.arange(0, BLOCK_D)
     rows = first_row.to(tl.int64) + tl.arange(0, TOKEN_GROUP)
     dmask = dims[None, :] < HEAD_DIM
@@ -419,7 +440,7 @@ def quantize_store_token_groups(
         CODE,
     )
     grouped = _to_code_units(
-        grouped, scale[:, :, None], zero[:, :, None], ZERO_POINT, scale_reciprocal(SCALE_DTYPE)
+        grouped, scale[:, :, None], zero[:, :, None], CODE, scale_reciprocal(SCALE_DTYPE)
     )
     scaled = tl.reshape(grouped, (TOKEN_GROUP, BLOCK_D))
     vectors = rows * NUM_HEADS + head
@@ -631,6 +652,9 @@ def quantize_ref(
 def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups [..., G, n] in tensor-scaled units -> (the same in code units, stored scales
     [..., G] or [..., 2G] with the zero points after the scales)."""
+    if fmt.dtype == "int4_zp_in_scale":
+        scale, zero, scales = zero_in_scale_parameters_ref(grouped.amin(-1), grouped.amax(-1))
+        return zero_in_scale_units_ref(grouped, scale[..., None], zero[..., None]), scales
     if fmt.zero_point:
         zeros = grouped.amin(dim=-1).half()
         span = (grouped.amax(dim=-1) - zeros.float()).clamp(min=0)
@@ -682,7 +706,11 @@ def dequantize_ref(
     if not fmt.quantized:
         return codes.to(out_dtype)
     values = fmt.element.decode(codes)
-    if scales is not None:
+    if scales is not None and fmt.dtype == "int4_zp_in_scale":
+        scale, zero = split_scale_word_ref(scales)
+        values = (values.unflatten(-1, (scale.shape[-1], -1)) - zero[..., None]) * scale[..., None]
+        values = values.flatten(-2)
+    elif scales is not None:
         groups = head_dim // fmt.group_size
         scale = fmt.scale_format.decode(scales)
         grouped = values.unflatten(-1, (groups, -1)) * scale[..., :groups, None]

@@ -229,7 +229,7 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
             f"integer formats ({', '.join(integer)}: an fp16 scale and zero point per group of "
             f"{policy.group_size}); exported as FP8"
         )
-    if policy.rotation != NO_ROTATION:
+    if policy.rotation != NO_ROTATION and not formats_exported:
         gaps.append(f"the {policy.rotation} rotation of K and V (no exported config rotates)")
     if any("fp4" in pair for pair in pairs):
         gaps.append(

@@ -275,6 +275,11 @@ SGLANG_KV_DTYPES = {
          "int8_per_token_head", None),
         (KVPolicy("fp8", "fp8", group_size=64, scale_dtype="fp32"), "fp8_per_token_head", None),
         (KVPolicy("fp8", "fp8", group_size="tensor"), "fp8", "fp8_e4m3"),
+        # vLLM's rotated int4: its transform and the zero point inside the fp32 scale word.
+        (KVPolicy("int4_zp_in_scale", "int4_zp_in_scale", group_size=64, scale_dtype="fp32",
+                  rotation="vllm_rht"), "int4_per_token_head", None),
+        (KVPolicy("int4_zp_in_scale", "int4_zp_in_scale", group_size=64, scale_dtype="fp32",
+                  rotation="hadamard"), None, None),
         # Near misses: another group size, a rotation, a recent fp16 window.
         (KVPolicy("fp4", "fp4", group_size=32, scale_dtype="e4m3"), None, None),
         (KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3", rotation="hadamard"),

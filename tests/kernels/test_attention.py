@@ -32,6 +32,7 @@ FORMATS = {
     "fp4_g16_e4m3": KVFormat("fp4", 16, "e4m3"),
     "fp4_g32": KVFormat("fp4", 32),
     "fp4_4over6_g16_e4m3": KVFormat("fp4_4over6", 16, "e4m3"),
+    "int4_zp_in_scale_g64": KVFormat("int4_zp_in_scale", 64, "fp32"),
     "int8_g64": KVFormat("int8", 64),
     "int4_g32": KVFormat("int4", 32),
     "int4_g128": KVFormat("int4", 128),
@@ -230,6 +231,7 @@ SHAPES = [
     (128, 1, 3, 8, "int8_g64", "int4_g128"),
     (96, 2, 2, 16, "int2_g32", "fp4_g32"),
     (128, 2, 4, 16, "fp4_4over6_g16_e4m3", "fp4_4over6_g16_e4m3"),
+    (64, 2, 3, 16, "int4_zp_in_scale_g64", "int4_zp_in_scale_g64"),
 ]
 LENGTHS = [0, 1, 37, 150, 8]
 
@@ -261,7 +263,7 @@ def test_stream_attention_matches_reference_and_sdpa(
     "head_dim,num_kv_heads,group,block_size,k_name,v_name,num_splits",
     [
         (*shape, splits)
-        for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16, 3, 7, 2, 4], strict=True)
+        for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16, 3, 7, 2, 4, 3], strict=True)
     ],
 )
 def test_decode_attention_matches_reference_and_sdpa(

@@ -20,6 +20,7 @@ FORMAT_PAIRS = [
     (KVFormat("fp16"), KVFormat("int2", 16)),
     (KVFormat("int8", 16), KVFormat("fp8", 32)),
     (KVFormat("fp4_4over6", 16, "e4m3"), KVFormat("fp4_4over6", 32)),
+    (KVFormat("int4_zp_in_scale", 64, "fp32"), KVFormat("int4_zp_in_scale", 32, "fp32")),
 ]
 HEAD_DIM = 64
 
@@ -75,6 +76,7 @@ STORE_ERROR = {
     "fp4": (1 / 6) * 17 / 16,
     "fp4_4over6": (1 / 6) * 17 / 16,  # the amax / 4 candidate errs at most amax / 8 * 17 / 16
     **{f"int{bits}": 1 / (2**bits - 1) + 2.0**-10 for bits in (8, 4, 2)},
+    "int4_zp_in_scale": 1 / 15 + 2.0**-10,
 }
 
 

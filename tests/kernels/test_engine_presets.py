@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from kernels.cache_write import write_kv, write_kv_ref
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, read_vectors_ref
+from kernels.rotation import rotate, rotation_matrix, unrotate
 from runtime.calibration import tensor_scale
 from runtime.policy import KVPolicy
 from tests.kernels import engine_formats_ref as ref
@@ -290,3 +291,33 @@ def test_per_token_head_multiplies_by_the_reciprocal_of_the_scale(kind, q_max, r
     codes, _ = ref.encode_per_token_head(vectors.numpy(), kind)
     for pool in (by_kernel, by_reference):
         np.testing.assert_array_equal(stored(pool, slots)[0], codes)
+
+
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_int4_per_token_head_stores_vllms_rotated_codes_and_scale_words(data, head_dim):
+    """The preset rotates (vllm_rht, rounded back to bf16 as vLLM does) before the cache write;
+    the reference rotates inside its encoder. Codes and scale words bit for bit; values read
+    back and un-rotated agree with the reference's (which decodes in fp64) to fp32 rounding."""
+    policy = preset_policy("vllm/int4_per_token_head", f"model.head_dim={head_dim}")
+    fmt = policy.kv_format(policy.k_dtype, "bf16", keys=True)
+    expected_bytes = ref.kv_bytes_per_token_head("vllm", "int4_per_token_head", head_dim)
+    assert 2 * fmt.vector_bytes(head_dim) == expected_bytes
+    rotation = rotation_matrix(policy.rotation, head_dim, layer=3)
+    x = DATA[data](0)
+    if head_dim != DIM:
+        x = torch.cat((x, x.flip(-1)), dim=-1)
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=torch.Generator().manual_seed(2))[:TOKENS]
+    rotated = rotate(x.to(torch.bfloat16), rotation)
+    codes, words = ref.encode_int4_per_token_head(x.numpy(), "bfloat16")
+    for write in (write_kv, write_kv_ref):
+        k_pool, v_pool = (
+            KVPool.allocate(fmt, NUM_BLOCKS, BLOCK, HEADS, head_dim) for _ in range(2)
+        )
+        write(rotated, rotated, slots, k_pool, v_pool)
+        stored_codes, stored_words = stored(k_pool, slots)
+        assert_same_bits(stored_codes, codes)
+        assert_same_bits(stored_words[..., 0], words)
+        restored = unrotate(read_vectors_ref(k_pool, slots), rotation)
+        expected = ref.decode_int4_per_token_head(codes, words)
+        np.testing.assert_allclose(restored.numpy(), expected, rtol=1e-5, atol=1e-6)

@@ -24,6 +24,7 @@ from kernels.attention_torch import cache_attention_torch
 from kernels.compress import compress_blocks, compress_blocks_ref
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, read_blocks_ref, read_vectors_ref, write_vectors_ref
+from tests.kernels.test_zero_in_scale import oracle as zero_in_scale_oracle
 
 BLOCK, HEADS, DIM = 16, 2, 64
 TENSOR_SCALE = 0.5
@@ -34,6 +35,7 @@ FORMATS = {
     "int2_g2_channel": KVFormat("int2", 2, "fp16", token_group=BLOCK),
     "fp4_g16_token_pairs": KVFormat("fp4", 16, "fp16", token_group=2),
     "fp4_4over6_channel": KVFormat("fp4_4over6", 1, "e4m3", token_group=BLOCK),
+    "int4_zp_in_scale_channel": KVFormat("int4_zp_in_scale", 1, "fp32", token_group=BLOCK),
 }
 
 
@@ -62,7 +64,11 @@ def oracle_dequantized(x: np.ndarray, fmt: KVFormat) -> np.ndarray:
     out = np.empty_like(blocked)
     for b, head, g in np.ndindex(n // rows, h, d // size):
         values = blocked[b, :, head, g, :]
-        if fmt.dtype.startswith("int"):
+        if fmt.dtype == "int4_zp_in_scale":
+            out[b, :, head, g, :] = zero_in_scale_oracle(values.reshape(1, -1), values.size)[
+                2
+            ].reshape(values.shape)
+        elif fmt.dtype.startswith("int"):
             levels = 2 ** int(fmt.dtype[3:]) - 1
             zero = np.float32(np.float16(values.min()))
             scale = np.float32(np.float16(np.float32(max(values.max() - zero, 0)) / levels))
@@ -92,9 +98,11 @@ def pool(fmt: KVFormat, num_blocks: int) -> KVPool:
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_block_bytes_follow_the_formula_and_the_pool(name):
     fmt = FORMATS[name]
-    bits = {"fp8": 8, "fp4": 4, "fp4_4over6": 4, "int4": 4, "int2": 2}[fmt.dtype]
-    params = 2 if fmt.dtype.startswith("int") else 1
-    scale_bytes = 1 if fmt.scale_dtype == "e4m3" else 2
+    bits = {"fp8": 8, "fp4": 4, "fp4_4over6": 4, "int4": 4, "int2": 2, "int4_zp_in_scale": 4}[
+        fmt.dtype
+    ]
+    params = 2 if fmt.dtype in ("int4", "int2") else 1
+    scale_bytes = {"e4m3": 1, "fp16": 2, "fp32": 4}[fmt.scale_dtype]
     expected = BLOCK * DIM * bits // 8 + (BLOCK // fmt.token_group) * (
         DIM // fmt.group_size * params * scale_bytes
     )
