@@ -60,7 +60,7 @@ def needs_tensor_scale(fmt: KVFormat) -> bool:
 def headroom(fmt: KVFormat) -> float:
     """Multiple of the calibrated maximum that stays representable (see the module docstring):
     none for per-tensor fp4 codes, FREE_HEADROOM otherwise."""
-    per_tensor_fp4 = fmt.group_size is None and fmt.dtype == "fp4"
+    per_tensor_fp4 = fmt.group_size is None and fmt.dtype.startswith("fp4")
     return 1.0 if per_tensor_fp4 else FREE_HEADROOM
 
 

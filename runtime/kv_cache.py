@@ -41,6 +41,7 @@ from kernels.selection import select_blocks, write_key_bounds
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
 from runtime.block_manager import HOST, MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
+from runtime.clip_counter import ClipCounter, range_limit
 from runtime.kv_bytes import layer_block_bytes, layer_formats
 from runtime.policy import KVPolicy
 
@@ -147,6 +148,13 @@ class KVCache:
         self.alignments = self._summary_alignments(rope_inv_freq)
         self.fetched_bytes = 0
         all_formats = layer_formats(arch, policy)
+        self.clips = ClipCounter(
+            [
+                (range_limit(f.k, k_scale), range_limit(f.v, v_scale))
+                for f, (k_scale, v_scale) in zip(all_formats, tensor_scales, strict=True)
+            ],
+            torch.device(device),
+        )
         self.layer_bytes = [layer_block_bytes(arch, f.k, f.v, bs) for f in all_formats]
         for formats, (k_scale, v_scale) in zip(all_formats, tensor_scales, strict=True):
             k_pools = {
@@ -355,6 +363,7 @@ class KVCache:
             k, v = rotate(k, rotation), rotate(v, rotation)
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
+        self.clips.count(layer, k, v, layout.slot_mapping >= 0)
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])
         self._run_copies(layer, layout.copies)
         streams = {

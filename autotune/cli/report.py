@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, counted
+from autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, active
 from autotune.study.results import TrialRecord
 from kernels.kv_format import QUANTIZED_DTYPES
 
@@ -30,8 +30,8 @@ def study_progress(console: Console) -> Progress:
 
 
 def finished_trials(study: optuna.Study) -> int:
-    """Trials of the budget that are done (all workers)."""
-    return sum(counted(t) and t.state.is_finished() for t in study.get_trials(deepcopy=False))
+    """Trials of the budget and engine presets that are done (all workers)."""
+    return sum(active(t) and t.state.is_finished() for t in study.get_trials(deepcopy=False))
 
 
 def trial_summary(trial: FrozenTrial) -> str:

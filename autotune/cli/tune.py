@@ -29,12 +29,14 @@ from rich.console import Console
 
 from autotune.cache import JsonCache, default_cache_folder
 from autotune.cli.report import render_front, trial_reporter
+from autotune.config.engine_presets import engine_presets
 from autotune.study.objectives import TrialEvaluator
 from autotune.study.optuna_study import (
     StudySettings,
     TrialObjective,
     check_sampler,
     create_or_resume,
+    enqueue_engine_presets,
     enqueue_warm_starts,
     make_sampler,
     open_storage,
@@ -122,6 +124,8 @@ def run_study(
     study.sampler = make_sampler(settings, space, settings.seed)
     if command == "tune" and settings.warm_start and settings.sampler != "grid":
         enqueue_warm_starts(study, space, settings.n_trials)
+    if command == "tune":
+        enqueue_engine_presets(study, settings.engine_presets)
     tracker = StudyTracker(
         services.tracking_uri,
         services.artifact_root,
@@ -143,9 +147,10 @@ def run_study(
         setup.objectives,
         setup.constraints,
         settings.n_trials,
+        engine_presets(setup.arch.cached_vector_size),
     )
     try:
-        reporter = trial_reporter(console, study, settings.n_trials)
+        reporter = trial_reporter(console, study, settings.n_trials + len(settings.engine_presets))
         with reporter as report, trial_output(settings.name):
             run_trials(study, objective, settings.n_trials, [tracker.log_trial, report])
     except BaseException:

@@ -19,6 +19,11 @@ POLICY_DIR = Path(__file__).resolve().parents[2] / "conf" / "policy"
 ENGINES = ("vllm", "sglang")
 
 
+def preset_names() -> list[str]:
+    """Every preset's "<engine>/<dtype>" name."""
+    return [f"{e}/{path.stem}" for e in ENGINES for path in sorted((POLICY_DIR / e).glob("*.yaml"))]
+
+
 def engine_presets(head_dim: int) -> dict[str, KVPolicy]:
     """Every preset as "<engine>/<dtype>" -> its policy for a model of this head_dim."""
     default = OmegaConf.load(POLICY_DIR / "default.yaml")

@@ -65,7 +65,9 @@ def evaluate(
     `score_retention` (mean of policy / baseline score, baseline / policy for perplexity),
     `exact_match_retention` (mean over QA tasks of greedy exact-match retention),
     `generation_exact_match_retention` (greedy generation tasks such as the 4K needle, beside
-    and not inside accuracy_retention), `kl`, `kl_prompt_tail`, `top1_agreement`,
+    and not inside accuracy_retention), `kv_clipped_fraction` (K/V values beyond a per-tensor or
+    E4M3-scaled stream's range, None without such streams), `kl`, `kl_prompt_tail`,
+    `top1_agreement`,
     `answer_agreement` (means over tasks), `seconds` (this policy's cost: loading and
     scoring) and `baseline_seconds` (the baseline's, when it was not cached).
 
@@ -210,5 +212,6 @@ def report(
         ),
         "exact_match_retention": _mean(t.get("exact_match_retention") for t in scored.values()),
         "generation_exact_match_retention": _mean(t["retention"] for t in generated),
+        "kv_clipped_fraction": run.clipped_fraction,
         **{key: _mean(t[key] for t in tasks.values()) for key in FIDELITY_KEYS},
     }

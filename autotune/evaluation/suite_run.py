@@ -18,11 +18,14 @@ from runtime.policy import KVPolicy
 
 @dataclass(frozen=True)
 class SuiteRun:
-    """Scores per task, compact next-token distributions per request, wall time (s)."""
+    """Scores per task, compact next-token distributions per request, wall time (s), and the
+    fraction of written K/V values beyond their stream's range (None: no stream has a fixed
+    range; runtime/clip_counter.py)."""
 
     tasks: dict[str, TaskScore]
     rows: dict[Key, ScoredRows]
     seconds: float
+    clipped_fraction: float | None = None
 
 
 def run_suite(
@@ -48,4 +51,7 @@ def run_suite(
     )
     runs = run_tasks(lm, folder)
     scores = {task: task_score(TASKS[task].kind, run.samples) for task, run in runs.items()}
-    return SuiteRun(scores, recorder.rows, time.perf_counter() - started)
+    stats = lm.llm.stats()
+    checked = stats["kv_range_checked_values"]
+    clipped = stats["kv_clipped_values"] / checked if checked else None
+    return SuiteRun(scores, recorder.rows, time.perf_counter() - started, clipped)

@@ -8,7 +8,10 @@ combination the runtime refuses) is recorded FAIL with its reason and the study 
 
 The trial budget `n_trials` counts distinct policies measured (COMPLETE, or FAIL with a reason)
 or in flight; workers check it before and after asking for a trial, so several workers never
-overshoot it, and each waits for in-flight trials before it returns. A sampled policy that the
+overshoot it, and each waits for in-flight trials before it returns. The engine presets a study
+names (`engine_presets`, e.g. vllm/nvfp4) are measured besides that budget, as queued trials
+that carry the preset's name instead of params, so every study shows the engines' own formats on
+its workload next to the tuned policies. A sampled policy that the
 study already measured or is measuring (the same canonical policy, whatever params built it) is
 not run again: the trial is pruned as a duplicate and an unmeasured policy is queued in its
 place. Once every distinct policy of the search space is measured the study stops short of its
@@ -36,6 +39,7 @@ from optuna.samplers import BaseSampler
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_stale_trials
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.config.engine_presets import preset_names
 from autotune.search.space import SearchConfig, SearchSpace, canonical
 from autotune.study.objectives import Constraints, TrialFailure, directions
 from autotune.study.recipe import recipe_differences
@@ -52,6 +56,8 @@ FAILURE_ATTR = "failure_reason"
 SURPLUS_ATTR = "surplus"
 DUPLICATE_ATTR = "duplicate_of"
 POLICY_ATTR = "policy"
+ENGINE_PRESET_ATTR = "engine_preset"
+WARM_START_ATTR = "warm_start"
 # Recipe groups with a `name` field, for the name an error message suggests.
 NAMED_GROUPS = ("model", "device", "workload", "eval")
 # Random draws tried for an unmeasured policy before the space is enumerated (when small enough).
@@ -73,6 +79,7 @@ class StudySettings:
     heartbeat_interval_s, grace_period_s: a running trial whose worker has not beaten for
         grace_period_s is failed and re-queued (at most max_retries times).
     n_startup_trials: random trials before TPE/GP model the results; population_size: NSGA-II.
+    engine_presets: conf/policy presets ("vllm/nvfp4") measured besides the n_trials budget.
     """
 
     name: str
@@ -86,8 +93,18 @@ class StudySettings:
     heartbeat_interval_s: int = 30
     grace_period_s: int = 90
     max_retries: int = 2
+    engine_presets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        presets = self.engine_presets
+        if isinstance(presets, str) or not all(isinstance(p, str) for p in presets):
+            raise ConfigError("study.engine_presets", presets, "a list of preset names")
+        object.__setattr__(self, "engine_presets", tuple(presets))
+        unknown = [p for p in self.engine_presets if p not in preset_names()]
+        if unknown:
+            raise ConfigError(
+                "study.engine_presets", unknown[0], f"names from {', '.join(preset_names())}"
+            )
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ConfigError("study.name", self.name, "a non-empty name without '/'")
         if self.sampler not in SAMPLERS:
@@ -242,16 +259,30 @@ def load_recipe(settings: StudySettings, storage: RDBStorage) -> tuple[optuna.St
 def enqueue_warm_starts(study: optuna.Study, space: SearchSpace, n_trials: int) -> None:
     """Queue the standard starting policies (at most n_trials; never twice)."""
     for name, params in list(space.warm_starts().items())[:n_trials]:
-        study.enqueue_trial(params, user_attrs={"warm_start": name}, skip_if_exists=True)
+        study.enqueue_trial(params, user_attrs={WARM_START_ATTR: name}, skip_if_exists=True)
 
 
-def counted(trial: FrozenTrial) -> bool:
-    """Whether a trial uses the budget: finished with a result or a reason, or in flight."""
+def enqueue_engine_presets(study: optuna.Study, names: Sequence[str]) -> None:
+    """Queue a trial for each named engine preset the study has not queued yet (no params: the
+    objective measures the preset's policy; see TrialObjective)."""
+    queued = {t.user_attrs.get(ENGINE_PRESET_ATTR) for t in study.get_trials(deepcopy=False)}
+    for name in names:
+        if name not in queued:
+            study.enqueue_trial({}, user_attrs={ENGINE_PRESET_ATTR: name, WARM_START_ATTR: name})
+
+
+def active(trial: FrozenTrial) -> bool:
+    """Finished with a result or a reason, in flight or queued (not a surplus or duplicate)."""
     if trial.user_attrs.get(SURPLUS_ATTR) or DUPLICATE_ATTR in trial.user_attrs:
         return False
     if trial.state == TrialState.FAIL:
         return FAILURE_ATTR in trial.user_attrs
     return trial.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
+
+
+def counted(trial: FrozenTrial) -> bool:
+    """Whether a trial uses the budget: active and not an engine preset's."""
+    return active(trial) and ENGINE_PRESET_ATTR not in trial.user_attrs
 
 
 def policy_key(policy: KVPolicy | Mapping[str, Any]) -> str:
@@ -263,8 +294,8 @@ def policy_key(policy: KVPolicy | Mapping[str, Any]) -> str:
 
 
 def measuring(trial: FrozenTrial) -> bool:
-    """Whether a trial measured its policy or is measuring it (counted, past sampling)."""
-    return counted(trial) and trial.state != TrialState.WAITING and POLICY_ATTR in trial.user_attrs
+    """Whether a trial measured its policy or is measuring it (active, past sampling)."""
+    return active(trial) and trial.state != TrialState.WAITING and POLICY_ATTR in trial.user_attrs
 
 
 class TrialObjective:
@@ -277,8 +308,12 @@ class TrialObjective:
         objectives: Sequence[str],
         constraints: Constraints,
         n_trials: int,
+        engine_presets: Mapping[str, KVPolicy] | None = None,
     ) -> None:
         self.space = space
+        # Engine presets by name, as the study's model stores them (block and chunk sizes are
+        # the search space's fixed ones when it fixes them).
+        self.engine_presets = dict(engine_presets or {})
         self.evaluator = evaluator
         self.objectives = tuple(objectives)
         self.constraints = constraints
@@ -318,7 +353,7 @@ class TrialObjective:
         for trial in study.get_trials(deepcopy=False):
             if measuring(trial):
                 taken.add(policy_key(trial.user_attrs[POLICY_ATTR]))
-            elif trial.state == TrialState.WAITING:
+            elif trial.state == TrialState.WAITING and ENGINE_PRESET_ATTR not in trial.user_attrs:
                 fixed = trial.system_attrs.get("fixed_params", {})
                 taken.add(policy_key(self.space.policy(fixed)))
         choices = {name: dist.choices for name, dist in self.space.distributions().items()}
@@ -335,6 +370,16 @@ class TrialObjective:
                 return params
         return None
 
+    def _preset_policy(self, trial: optuna.Trial, name: str) -> KVPolicy:
+        """The named engine preset with the block and chunk sizes a trial of the space uses."""
+        if name not in self.engine_presets:
+            reason = f"engine preset {name}: no conf/policy/{name}.yaml here"
+            trial.set_user_attr(FAILURE_ATTR, reason)
+            raise TrialFailure(reason)
+        base = self.space.policy({})
+        policy = self.engine_presets[name]
+        return policy.replace(block_size=base.block_size, chunk_size=base.chunk_size)
+
     def _replace_duplicate(self, trial: optuna.Trial, original: int) -> None:
         trial.set_user_attr(DUPLICATE_ATTR, original)
         params = self._unmeasured_params(trial.study, seed=trial.number)
@@ -345,14 +390,18 @@ class TrialObjective:
 
     def __call__(self, trial: optuna.Trial) -> list[float]:
         trial.set_user_attr(STARTED_ATTR, True)  # alive past the heartbeat's start: not an orphan
-        if self._is_surplus(trial):
+        preset = trial.user_attrs.get(ENGINE_PRESET_ATTR)
+        if preset is None and self._is_surplus(trial):
             trial.set_user_attr(SURPLUS_ATTR, True)
             raise optuna.TrialPruned("another worker filled the trial budget first")
-        policy = self.space.suggest(trial)
+        policy = self._preset_policy(trial, preset) if preset else self.space.suggest(trial)
         trial.set_user_attr(POLICY_ATTR, policy.to_dict())
         original = self._measured_by(trial, policy_key(policy))
         if original is not None:
-            self._replace_duplicate(trial, original)
+            if preset is None:
+                self._replace_duplicate(trial, original)
+            else:  # outside the budget: nothing to replace
+                trial.set_user_attr(DUPLICATE_ATTR, original)
             raise optuna.TrialPruned(f"policy already measured by trial {original}")
         start = time.perf_counter()
         try:
@@ -405,11 +454,12 @@ def run_trials(
             warnings.simplefilter("ignore", ExperimentalWarning)
             fail_stale_trials(study)
         fail_orphaned_trials(study, orphan_after_s)
-        budget = [t for t in study.get_trials(deepcopy=False) if counted(t)]
-        waiting = any(t.state == TrialState.WAITING for t in budget)
+        trials = study.get_trials(deepcopy=False)
+        budget = [t for t in trials if counted(t)]
+        waiting = any(t.state == TrialState.WAITING and active(t) for t in trials)
         if (len(budget) < n_trials and not objective.exhausted) or waiting:
             study.optimize(objective, n_trials=1, catch=(TrialFailure,), callbacks=callbacks)
-        elif any(t.state == TrialState.RUNNING for t in budget):
+        elif any(t.state == TrialState.RUNNING and active(t) for t in trials):
             time.sleep(POLL_SECONDS)
         else:
             return

@@ -10,6 +10,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from autotune.config.engine_presets import engine_presets
 from autotune.search.space import SearchConfig, SearchSpace
 from autotune.study.objectives import Constraints
 from autotune.study.optuna_study import (
@@ -21,6 +22,7 @@ from autotune.study.optuna_study import (
     check_sampler,
     counted,
     create_or_resume,
+    enqueue_engine_presets,
     enqueue_warm_starts,
     load_recipe,
     make_sampler,
@@ -318,3 +320,29 @@ def test_repeats_in_an_older_study_are_listed_once(tmp_path):
     records = trial_records(study)
     assert [r.number for r in records] == [0, 1, 3]
     assert records[1].policy.scale_dtype == "e4m3"
+
+
+def test_engine_presets_are_measured_besides_the_budget_and_queued_once(tmp_path):
+    measure = RecordingMeasure()
+    settings, study = new_study(tmp_path, engine_presets=("vllm/fp8", "vllm/nvfp4"))
+    study.sampler = optuna.samplers.RandomSampler(seed=0)
+    enqueue_engine_presets(study, settings.engine_presets)
+    presets = engine_presets(ARCH.cached_vector_size)
+    objective = TrialObjective(few_policies_space(), measure, OBJECTIVES, Constraints(), 3, presets)
+    run_trials(study, objective, 3)
+    records = {r.warm_start: r for r in trial_records(study)}
+    base = few_policies_space().policy({})
+    for name in settings.engine_presets:
+        expected = presets[name].replace(block_size=base.block_size, chunk_size=base.chunk_size)
+        assert records[name].policy == expected and records[name].complete
+    assert ("fp8", "fp8", "tensor") in measure.policies and ("fp4", "fp4") in measure.policies
+    trials = study.get_trials()
+    assert sum(counted(t) for t in trials) == 3 and len(measure.policies) == 5
+    enqueue_engine_presets(study, settings.engine_presets)  # a rerun queues nothing again
+    assert len(study.get_trials()) == len(trials)
+
+
+def test_unknown_engine_preset_is_refused_naming_the_field_and_the_choices(tmp_path):
+    refusal = r"study\.engine_presets='vllm/fp9' is invalid: names from .*vllm/nvfp4"
+    with pytest.raises(ConfigError, match=refusal):
+        new_study(tmp_path, engine_presets=["vllm/fp9"])

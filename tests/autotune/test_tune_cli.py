@@ -105,6 +105,35 @@ def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cach
     assert len(warm) == 4 and all(t.user_attrs["cached"] for t in warm)  # free: measured before
 
 
+@pytest.mark.slow
+def test_a_study_measures_its_engine_presets_besides_its_budget(
+    tmp_path, tiny_study_args, kvtune_cache
+):
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    result = run_kvtune(
+        "tune",
+        "study.name=PRESETS",
+        "study.n_trials=1",
+        f"study.storage={storage}",
+        f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        *tiny_study_args,
+        "study.engine_presets=[vllm/fp8,vllm/nvfp4]",
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    trials = load(storage, "PRESETS").get_trials()
+    assert all(t.state == TrialState.COMPLETE for t in trials) and len(trials) == 3
+    presets = {t.user_attrs.get("engine_preset"): t.user_attrs["policy"] for t in trials}
+    assert presets["vllm/nvfp4"]["k_dtype"] == "fp4" and presets["vllm/nvfp4"]["group_size"] == 16
+    assert presets["vllm/fp8"]["group_size"] == "tensor"
+    assert presets["vllm/fp8"]["tensor_scale"] == "unit"
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("PRESETS")
+    runs = client.search_runs([experiment.experiment_id], "tags.`kvtune.kind` = 'trial'")
+    assert {r.data.tags.get("warm_start") for r in runs} >= {"vllm/fp8", "vllm/nvfp4"}
+
+
 def tune_multirun(tmp_path, tiny_study_args, kvtune_cache, *overrides: str) -> None:
     """`kvtune tune -m workload=tiny,tiny2 study.n_trials=1 <overrides>` on the tiny model."""
     args = [a for a in tiny_study_args if not a.startswith("workload=")]

@@ -13,11 +13,14 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.quantize import dequantize_ref, quantize_ref
 from runtime import LLM
 from runtime.block_manager import MAIN
 from runtime.calibration import CALIBRATION_REPLY, CALIBRATION_TEXT, calibration_token_ids
+from runtime.kv_bytes import layer_formats
 from runtime.model import DenseCausalAttention
 from runtime.policy import KVPolicy
+from tests.runtime.test_engine import random_tokens
 
 
 def recorded_keys_and_values(llm: LLM) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -93,3 +96,37 @@ def test_per_tensor_fp4_keys_keep_more_without_headroom(tiny_llama):
     scale = llm.engine.cache.layers[0].k[MAIN].tensor_scale.item()
     assert scale == pytest.approx(np.abs(keys).max() / 6, rel=1e-6)
     assert error(scale) < 0.8 * error(2 * scale)
+
+
+def test_the_cache_counts_the_values_its_range_clips(tiny_llama):
+    """Per-tensor fp4 stores magnitudes up to 6 x its tensor scale (calibrated without headroom
+    on another text): the stats count the K and V values beyond that, the same count as a dense
+    forward pass whose attention reads the same fake-quantized K and V
+    (runtime/clip_counter.py)."""
+    policy = KVPolicy("fp4", "fp4", group_size="tensor", block_size=8)
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
+    tokens = random_tokens(40, seed=4)
+    llm.prompt_logits(tokens)
+    fmt = layer_formats(llm.arch, llm.policy)[0].k
+    dense = DenseCausalAttention([len(tokens)])
+    clipped = checked = 0
+
+    def fake_quant(layer, q, k, v):
+        nonlocal clipped, checked
+        stored = []
+        pools = llm.engine.cache.layers[layer]
+        for x, pool in ((k.float(), pools.k[MAIN]), (v.float(), pools.v[MAIN])):
+            clipped += int((x.abs() > 6 * pool.tensor_scale).sum())
+            checked += x.numel()
+            codes = quantize_ref(x, fmt, pool.tensor_scale)
+            stored.append(dequantize_ref(*codes, fmt, pool.tensor_scale, x.shape[-1]))
+        return dense(layer, q, *stored)
+
+    with torch.no_grad():
+        llm.model.forward(torch.tensor(tokens), torch.arange(len(tokens)), fake_quant)
+    stats = llm.stats()
+    assert (stats["kv_clipped_values"], stats["kv_range_checked_values"]) == (clipped, checked)
+    assert clipped > 0
+    group_scaled = LLM(str(tiny_llama), policy=policy.replace(group_size=16), max_model_len=64)
+    group_scaled.prompt_logits(tokens)
+    assert group_scaled.stats()["kv_range_checked_values"] == 0  # fp16 group scales adapt
