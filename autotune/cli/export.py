@@ -53,9 +53,10 @@ def export_task(cfg: DictConfig) -> None:
     study, recipe = load_recipe(settings, open_storage(settings, existing=True))
     setup = build_setup(recipe)
     device = build_device(plain(cfg.device)) if cfg.get("device") else setup.device
-    record = pick_trial(trial_records(study), setup.objectives, pick, min_retention, max_kv_gib)
+    records = trial_records(study)
+    record = pick_trial(records, setup.objectives, pick, min_retention, max_kv_gib)
     folder = export_folder(settings.name, pick)
-    paths = write_export(folder, record, setup, device, settings.name, pick)
+    paths = write_export(folder, record, setup, device, settings.name, pick, records)
     console = Console()
     console.print(f"trial {record.number} ({pick}) exported to {folder}/:")
     for path in paths:

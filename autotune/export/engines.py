@@ -6,10 +6,12 @@ the model dtype; K and V share a dtype. SGLang has one `--kv-cache-dtype` for al
 Neither has CSA compression, an unquantized recent window, per-channel keys or kvtune's
 rotation. When the policy stores exactly what an engine format stores (`exact_presets`, the
 engine presets of conf/policy), the export names that format and the trial's accuracy carries
-over. Otherwise it writes the nearest config by rule (FP8 per tensor where a layer quantizes,
-the model dtype where it does not; SGLang's NVFP4 when every layer is FP4), which is a different
-cache: NOTES.md says so, compares its bytes with the policy's and gives its kvtune form to
-measure. Option values were checked against vLLM 0.33.0's CacheConfig and SGLang 0.5.23's
+over. Otherwise, of the engine presets the study measured (study.engine_presets), the one with
+the fewest bytes that measured at least as accurate as the trial serves: accuracy is judged by
+measurement, not by bytes. Failing that it writes the nearest config by rule (FP8 per tensor
+where a layer quantizes, the model dtype where it does not; SGLang's NVFP4 when every layer is
+FP4), a different and unmeasured cache: NOTES.md says so, compares its bytes with the policy's
+and gives its kvtune form to measure. Option values were checked against vLLM 0.33.0's CacheConfig and SGLang 0.5.23's
 server arguments (docs/engine_formats.md).
 """
 
@@ -73,12 +75,15 @@ class EngineMapping:
 
     preset: the engine preset ("vllm/nvfp4") whose codes equal the policy's, when the export is
     exact; None for a nearest config (a different cache).
+    measured: the study's trial of an engine preset chosen because it measured at least as
+    accurate as the policy (`nearest_measured`); None when the config was not measured.
     """
 
     kv_cache_dtype: str
     skip_layers: tuple[int, ...]
     equivalent: KVPolicy
     preset: str | None = None
+    measured: TrialRecord | None = None
 
 
 def _exact_mapping(policy: KVPolicy, arch: ModelArch, exact: ExactPreset) -> EngineMapping:
@@ -103,6 +108,44 @@ def vllm_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
     skip = tuple(i for i, level in enumerate(levels) if level == "auto")
     pairs = ["auto/auto" if level == "auto" else "fp8/fp8" for level in levels]
     return EngineMapping("fp8_e4m3", skip, _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
+
+
+def engine_preset_trials(records: Sequence[TrialRecord], engine: str) -> list[TrialRecord]:
+    """The study's completed trials of `engine`'s presets (study.engine_presets)."""
+    return [
+        r
+        for r in records
+        if r.complete
+        and r.policy is not None
+        and (r.warm_start or "").startswith(f"{engine}/")
+        and "accuracy_retention" in r.metrics
+    ]
+
+
+def nearest_measured(
+    mapping: EngineMapping,
+    record: TrialRecord,
+    records: Sequence[TrialRecord],
+    arch: ModelArch,
+    engine: str,
+) -> EngineMapping:
+    """An exact mapping as it is; otherwise, of the engine presets the study measured at least
+    as accurate as the picked trial, the one with the fewest bytes (accuracy judged by the
+    measurement, not by bytes); the rule's nearest config when none was."""
+    target = record.metrics.get("accuracy_retention")
+    if mapping.preset is not None or target is None:
+        return mapping
+    accurate = [
+        r
+        for r in engine_preset_trials(records, engine)
+        if r.metrics["accuracy_retention"] >= target
+    ]
+    if not accurate:
+        return mapping
+    tokens = 1024
+    best = min(accurate, key=lambda r: kv_bytes_per_sequence(arch, r.policy, tokens))
+    dtype = (best.warm_start or "").split("/", 1)[1]
+    return EngineMapping(dtype, (), best.policy, None, best)
 
 
 def sglang_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
@@ -260,11 +303,13 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
 
 
 def _engine_lines(
-    name: str, mapping: EngineMapping, policy: KVPolicy, setup: TuneSetup
+    name: str, mapping: EngineMapping, record: TrialRecord, setup: TuneSetup
 ) -> list[str]:
-    """Whether an engine config serves this trial's cache, and if not, what it costs and how
-    to measure it."""
+    """Whether an engine config serves this trial's cache, and if not, what it costs and what
+    it measured (or how to measure it)."""
     arch = setup.arch
+    policy = record.policy
+    assert policy is not None
     skip = (
         f", kv-cache-dtype-skip-layers {index_ranges(mapping.skip_layers)}"
         if mapping.skip_layers
@@ -288,11 +333,50 @@ def _engine_lines(
         arch, policy, tokens
     )
     size = "fewer" if ratio < 1 else "more"
+    if mapping.measured is not None:
+        measured = mapping.measured
+        return [
+            f"{head}: not this policy's cache, but this study measured it at least as accurate "
+            f"(trial {measured.number}, preset `{measured.warm_start}`): retention "
+            f"{measured.metrics['accuracy_retention']:.3f} against the policy's "
+            f"{record.metrics['accuracy_retention']:.3f}, at {ratio:.2f}x the policy's bytes "
+            f"({size})."
+        ]
     return [
         f"{head}: the nearest config, not this policy's cache. It stores {ratio:.2f}x the "
         f"policy's bytes ({size}), so the accuracy measured here does not carry over: evaluate "
         "its kvtune form before serving it.",
         f"  kvtune form: {compact_policy(mapping.equivalent, arch.num_layers)}",
+    ]
+
+
+def _measured_presets_table(
+    record: TrialRecord, records: Sequence[TrialRecord], setup: TuneSetup
+) -> list[str]:
+    """The engine presets this study measured, beside the picked trial (none: no lines)."""
+    presets = [r for engine in ("vllm", "sglang") for r in engine_preset_trials(records, engine)]
+    if not presets:
+        return []
+    tokens = setup.workload.context_len
+
+    def row(label: str, r: TrialRecord) -> str:
+        assert r.policy is not None
+        mib = kv_bytes_per_sequence(setup.arch, r.policy, tokens) / MIB
+        exact = r.metrics.get("exact_match_retention")
+        exact_text = f"{exact:.3f}" if exact is not None else "-"
+        return (
+            f"| {label} | {r.number} | {r.metrics['accuracy_retention']:.3f} | {exact_text} | "
+            f"{mib:,.2f} |"
+        )
+
+    return [
+        "",
+        f"Engine formats measured in this study (same suite; KV at {tokens} tokens):",
+        "",
+        "| config | trial | retention | exact-match retention | MiB/sequence |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        row("this policy", record),
+        *[row(f"`{r.warm_start}`", r) for r in presets],
     ]
 
 
@@ -315,8 +399,10 @@ def notes_markdown(
     engines: dict[str, EngineMapping],
     study_name: str,
     pick: str,
+    records: Sequence[TrialRecord] = (),
 ) -> str:
-    """NOTES.md: the picked trial's numbers, the gaps per engine, the capacity tables."""
+    """NOTES.md: the picked trial's numbers, the gaps per engine, the engine formats the study
+    measured, the capacity tables."""
     policy = record.policy
     assert policy is not None
     arch = setup.arch
@@ -351,7 +437,8 @@ def notes_markdown(
     lines += [f"- {gap}" for gap in gaps] or ["- nothing: the engines store this policy as is"]
     lines += ["", "## The exported engine configs", ""]
     for name, mapping in engines.items():
-        lines += _engine_lines(name, mapping, policy, setup)
+        lines += _engine_lines(name, mapping, record, setup)
+    lines += _measured_presets_table(record, records, setup)
     lines += [
         "",
         f"## Capacity on {device.name} at the workload's context ({workload.context_len} tokens)",
@@ -402,15 +489,18 @@ def write_export(
     device: DeviceSpec,
     study_name: str,
     pick: str,
+    records: Sequence[TrialRecord] = (),
 ) -> list[Path]:
-    """Write kvtune.yaml, vllm.yaml, sglang.args and NOTES.md into folder; returns the paths."""
+    """Write kvtune.yaml, vllm.yaml, sglang.args and NOTES.md into folder; returns the paths.
+    records: the study's trials, whose measured engine presets may serve as the engine config
+    (`nearest_measured`) and are listed in NOTES.md."""
     policy = record.policy
     assert policy is not None
     serve = setup.serve
     arch = setup.arch
     engines = {
-        "vLLM": vllm_mapping(policy, arch),
-        "SGLang": sglang_mapping(policy, arch),
+        "vLLM": nearest_measured(vllm_mapping(policy, arch), record, records, arch, "vllm"),
+        "SGLang": nearest_measured(sglang_mapping(policy, arch), record, records, arch, "sglang"),
     }
     capacity = {name: engine_max_num_seqs(arch, m, device, serve) for name, m in engines.items()}
     folder.mkdir(parents=True, exist_ok=True)
@@ -422,7 +512,9 @@ def write_export(
         ),
         "sglang.args": "\n".join(sglang_args(policy, engines["SGLang"], serve, capacity["SGLang"]))
         + "\n",
-        "NOTES.md": notes_markdown(record, setup, device, serve, engines, study_name, pick),
+        "NOTES.md": notes_markdown(
+            record, setup, device, serve, engines, study_name, pick, records
+        ),
     }
     paths = []
     for name, text in files.items():

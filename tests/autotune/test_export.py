@@ -342,3 +342,41 @@ def test_notes_vouch_for_an_engine_storing_the_measured_codes(tmp_path):
             f"`{preset_name}`), so the accuracy measured here carries over."
         ) in notes
     assert "- nothing: the engines store this policy as is" in notes
+
+
+def preset_trial(number: int, name: str, policy: KVPolicy, retention: float) -> TrialRecord:
+    metrics = {"accuracy_retention": retention, "exact_match_retention": 1.0}
+    return TrialRecord(number, "COMPLETE", policy, metrics, True, None, name)
+
+
+def test_export_serves_the_cheapest_engine_preset_measured_at_least_as_accurate(tmp_path):
+    # The picked policy (fp8 with fp16 scales per 16, 72 B a vector) measured 0.95. Of the
+    # engine presets the study measured, vllm/nvfp4 (36 B, fewer bytes than the policy) and
+    # vllm/fp8 (64 B) are at least as accurate; the cheaper one serves. SGLang's only measured
+    # preset fell short, so SGLang keeps the rule's nearest config.
+    setup = smollm_chat_setup()
+    policy = KVPolicy("fp8", "fp8", group_size=16)
+    picked = TrialRecord(4, "COMPLETE", policy, {"accuracy_retention": 0.95}, True, None, None)
+    nvfp4 = KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3", tensor_scale="unit")
+    records = [
+        picked,
+        preset_trial(6, "vllm/fp8", KVPolicy("fp8", "fp8", group_size="tensor"), 0.97),
+        preset_trial(7, "vllm/nvfp4", nvfp4, 0.96),
+        preset_trial(8, "vllm/int8_per_token_head", KVPolicy("fp16", "fp16"), 0.94),
+        preset_trial(9, "sglang/nvfp4", nvfp4, 0.90),
+    ]
+    device = build_device(preset("device", "cpu"))
+    write_export(tmp_path, picked, setup, device, "s", "knee", records)
+    vllm = yaml.safe_load((tmp_path / "vllm.yaml").read_text())
+    assert vllm["kv-cache-dtype"] == "nvfp4"
+    sglang = (tmp_path / "sglang.args").read_text()
+    assert "--kv-cache-dtype fp8_e4m3" in sglang
+    notes = (tmp_path / "NOTES.md").read_text()
+    # nvfp4: 32 B of codes + 4 E4M3 scales = 36 B a vector against the policy's 72 B.
+    assert (
+        "- vLLM: kv-cache-dtype nvfp4: not this policy's cache, but this study measured it at "
+        "least as accurate (trial 7, preset `vllm/nvfp4`): retention 0.960 against the "
+        "policy's 0.950, at 0.50x the policy's bytes (fewer)."
+    ) in notes
+    assert "| `sglang/nvfp4` | 9 | 0.900 | 1.000 |" in notes
+    assert "| this policy | 4 | 0.950 | - |" in notes
