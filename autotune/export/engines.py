@@ -11,8 +11,8 @@ the fewest bytes that measured at least as accurate as the trial serves: accurac
 measurement, not by bytes. Failing that it writes the nearest config by rule (FP8 per tensor
 where a layer quantizes, the model dtype where it does not; SGLang's NVFP4 when every layer is
 FP4), a different and unmeasured cache: NOTES.md says so, compares its bytes with the policy's
-and gives its kvtune form to measure. Option values were checked against vLLM 0.33.0's CacheConfig and SGLang 0.5.23's
-server arguments (docs/engine_formats.md).
+and gives its kvtune form to measure. Option values were checked against vLLM 0.33.0's
+CacheConfig and SGLang 0.5.23's server arguments (docs/engine_formats.md).
 """
 
 from __future__ import annotations
