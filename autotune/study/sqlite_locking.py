@@ -20,9 +20,11 @@ BUSY_TIMEOUT_S = 60.0
 
 
 def lock_sqlite_transactions(storage: RDBStorage) -> None:
-    """Make each transaction of a SQLite storage take the database's write lock when it begins."""
+    """Make each transaction of a SQLite storage take the database's write lock when it begins.
+    An in-memory database lives in one connection of one process (no second worker can join),
+    and closing that connection would drop it: it is left as it is."""
     engine = storage.engine
-    if engine.dialect.name != "sqlite":
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
         return
 
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
