@@ -25,6 +25,11 @@ LEVELS = 15
 SCALE_FLOOR = 1e-6
 ZERO_BITS_MASK = 0xF
 SCALE_BITS_MASK = ~ZERO_BITS_MASK
+# The same numbers as Triton constexprs (a kernel may read no other globals).
+_LEVELS = tl.constexpr(LEVELS)
+_SCALE_FLOOR = tl.constexpr(SCALE_FLOOR)
+_ZERO_BITS_MASK = tl.constexpr(ZERO_BITS_MASK)
+_SCALE_BITS_MASK = tl.constexpr(SCALE_BITS_MASK)
 
 
 @triton.jit
@@ -36,11 +41,11 @@ def _round_half_away(v):
 @triton.jit
 def zero_in_scale_parameters(low, high):
     """Group minima and maxima (fp32) -> (scale, zero point, stored word as fp32 bits)."""
-    span = tl.math.div_rn(high - low, tl.full(low.shape, LEVELS, tl.float32))
-    scale = tl.maximum(span, SCALE_FLOOR)
+    span = tl.math.div_rn(high - low, tl.full(low.shape, _LEVELS, tl.float32))
+    scale = tl.maximum(span, _SCALE_FLOOR)
     zero = _round_half_away(tl.math.div_rn(-low, scale))
-    zero = tl.minimum(tl.maximum(zero, 0.0), LEVELS)
-    bits = scale.to(tl.int32, bitcast=True) & SCALE_BITS_MASK
+    zero = tl.minimum(tl.maximum(zero, 0.0), _LEVELS)
+    bits = scale.to(tl.int32, bitcast=True) & _SCALE_BITS_MASK
     word = (bits | zero.to(tl.int32)).to(tl.float32, bitcast=True)
     return scale, zero, word
 
@@ -55,16 +60,16 @@ def zero_in_scale_units(x, scale, zero):
 @triton.jit
 def encode_zero_in_scale(units):
     """fp32 tile (code units, zero point added) -> int32 codes 0..15."""
-    clamped = tl.minimum(tl.maximum(units, -1.0), LEVELS + 1.0)  # int32 range; no code changes
-    return tl.minimum(tl.maximum(_round_half_away(clamped), 0.0), LEVELS).to(tl.int32)
+    clamped = tl.minimum(tl.maximum(units, -1.0), _LEVELS + 1.0)  # int32 range; no code changes
+    return tl.minimum(tl.maximum(_round_half_away(clamped), 0.0), _LEVELS).to(tl.int32)
 
 
 @triton.jit
 def split_scale_word(word):
     """Stored fp32 words -> (scale with the zero-point bits cleared, zero point as fp32)."""
     bits = word.to(tl.int32, bitcast=True)
-    scale = (bits & SCALE_BITS_MASK).to(tl.float32, bitcast=True)
-    return scale, (bits & ZERO_BITS_MASK).to(tl.float32)
+    scale = (bits & _SCALE_BITS_MASK).to(tl.float32, bitcast=True)
+    return scale, (bits & _ZERO_BITS_MASK).to(tl.float32)
 
 
 def _round_half_away_ref(v: torch.Tensor) -> torch.Tensor:

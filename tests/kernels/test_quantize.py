@@ -275,6 +275,9 @@ def _compile_for_sm90(kernel, arg_types: dict[str, str], constexprs: dict[str, o
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
+SCALE_POINTERS = {"fp16": "*fp16", "e4m3": "*u8", "ue8m0": "*u8", "fp32": "*fp32"}
+
+
 def compile_kernels_for_cuda() -> None:
     """Compile the quantize, dequantize, cache-write and compress kernels for an H100/H200.
 
@@ -293,12 +296,14 @@ def compile_kernels_for_cuda() -> None:
         KVFormat("int8", 32),
         KVFormat("int4", 32),
         KVFormat("int2", 16),
+        KVFormat("fp4_4over6", 16, "e4m3"),
+        KVFormat("int4_zp_in_scale", 32, "fp32"),
     ):
         pointers = {
             "x_ptr": "*bf16",
             "out_ptr": "*bf16",
             "codes_ptr": "*u8" if fmt.quantized else "*bf16",
-            "scales_ptr": "*u8" if fmt.scale_dtype == "e4m3" else "*fp16",
+            "scales_ptr": SCALE_POINTERS[fmt.scale_dtype],
             "tensor_scale_ptr": "*fp32",
         }
         for kernel in (quantize_module._quantize_kernel, quantize_module._dequantize_kernel):
@@ -375,6 +380,14 @@ def compile_attention_for_cuda() -> None:
     int_pointers = {**pointers, "k_scales_ptr": "*fp16"}
     constexprs = {**shape, "CAUSAL": True, "MASKED": False, **int_switches, **tiles}
     _compile_for_sm90(attention._stream_attention_kernel, int_pointers, constexprs)
+    # vLLM's int4_per_token_head codes: the zero point read out of each fp32 scale word.
+    word_switches = {
+        **format_switches(KVFormat("int4_zp_in_scale", 128, "fp32"), "K_"),
+        **format_switches(KVFormat("int4_zp_in_scale", 128, "fp32"), "V_"),
+    }
+    word_pointers = {**pointers, "k_scales_ptr": "*fp32", "v_scales_ptr": "*fp32"}
+    constexprs = {**shape, "CAUSAL": False, "MASKED": False, **word_switches, **tiles}
+    _compile_for_sm90(attention._stream_attention_kernel, word_pointers, constexprs)
     merge_pointers = {
         name: "*fp32" for name in ("parts_out_ptr", "parts_lse_ptr", "out_ptr", "lse_ptr")
     }
