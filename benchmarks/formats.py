@@ -92,15 +92,24 @@ def main() -> None:
     parser.add_argument(
         "--heldout-seeds", default="1,2", help="comma-separated seeds ('' = trial suite only)"
     )
-    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names")
+    parser.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help="comma-separated names of POLICIES or of engine presets (vllm/nvfp4)",
+    )
     parser.add_argument("--presets", action="store_true", help="add conf/policy/<engine>/*")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
-    candidates = {name: POLICIES[name.strip()] for name in args.policies.split(",") if name}
     cheap = load_suite(args.cheap)
     seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
     heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
     arch = arch_from_folder(resolve_model(cheap.model))
+    known = {**POLICIES, **engine_presets(arch.head_dim)}
+    names = [name.strip() for name in args.policies.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"--policies {unknown[0]!r}: one of {', '.join(known)}")
+    candidates = {name: known[name] for name in names}
     if args.presets:
         candidates.update(engine_presets(arch.head_dim))
     console = Console()
