@@ -71,7 +71,7 @@ def dashboard_task(cfg: DictConfig) -> None:
     if settings.storage is None and not default_db.is_file():
         found = sorted(p.parent.name for p in STUDIES.glob("*/optuna.db"))
         raise missing_study(settings.name, f"{STUDIES}/", found, "; elsewhere: give study.storage")
-    storage = open_storage(settings, existing=True)
+    storage = open_storage(settings, existing=True, runs_trials=False)
     names = optuna.get_all_study_names(storage)
     if settings.name not in names:
         raise missing_study(settings.name, settings.storage_url, names)

@@ -50,7 +50,7 @@ def export_task(cfg: DictConfig) -> None:
     min_retention = _optional_number("min_retention", cfg.min_retention)
     max_kv_gib = _optional_number("max_kv_gib", cfg.max_kv_gib)
     settings = StudySettings.from_dict({k: v for k, v in study_cfg.items() if v is not None})
-    study, recipe = load_recipe(settings, open_storage(settings, existing=True))
+    study, recipe = load_recipe(settings, open_storage(settings, existing=True, runs_trials=False))
     setup = build_setup(recipe)
     device = build_device(plain(cfg.device)) if cfg.get("device") else setup.device
     records = trial_records(study)

@@ -141,10 +141,14 @@ class StudySettings:
         return self.storage or f"sqlite:///studies/{self.name}/optuna.db"
 
 
-def open_storage(settings: StudySettings, existing: bool = False) -> RDBStorage:
-    """RDB storage with heartbeats; SQLite's transactions take the write lock (sqlite_locking).
-    A SQLite file's folder is created first, unless the study must already exist (workers,
-    exports): then a missing file is refused without creating it."""
+def open_storage(
+    settings: StudySettings, existing: bool = False, runs_trials: bool = True
+) -> RDBStorage:
+    """RDB storage with heartbeats. A SQLite file's folder is created first, unless the study
+    must already exist (workers, exports): then a missing file is refused without creating it.
+    runs_trials: this process claims queued trials, so SQLite's transactions take the write
+    lock when they begin (sqlite_locking); readers (export, dashboard) leave them deferred and
+    never hold up the workers."""
     url = settings.storage_url
     if url.startswith("sqlite:///") and url != "sqlite:///:memory:":
         path = Path(url.removeprefix("sqlite:///"))
@@ -164,7 +168,8 @@ def open_storage(settings: StudySettings, existing: bool = False) -> RDBStorage:
             grace_period=settings.grace_period_s,
             heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(settings.max_retries),
         )
-    lock_sqlite_transactions(storage)
+    if runs_trials:
+        lock_sqlite_transactions(storage)
     return storage
 
 
