@@ -10,6 +10,7 @@ loading the page's assets in parallel is not queued behind one slow API call.
 from __future__ import annotations
 
 import logging
+import signal
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -85,6 +86,9 @@ def dashboard_task(cfg: DictConfig) -> None:
     console.print(f"optuna-dashboard for study {settings.name}: {url}", soft_wrap=True)
     console.print("Ctrl-C stops it.")
     console.file.flush()
+    # A process started in the background by a shell without job control (`nohup ... &`, a
+    # script) inherits SIGINT ignored, and Python then installs no Ctrl-C handler: restore it.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
