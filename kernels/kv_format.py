@@ -86,13 +86,12 @@ class KVFormat:
             object.__setattr__(self, "token_group", 1)
         elif self.group_size is not None and self.group_size <= 0:
             raise ValueError(f"group_size={self.group_size!r}: must be a positive int or None")
-        elif self.zero_point and self.group_size is None:
+        elif self.group_size is None and (
+            self.zero_point or self.element.alt_max_code or self.element.scale_dtype
+        ):
             raise ValueError(
-                f"group_size=None: {self.dtype} needs a group size (a zero point per group)"
-            )
-        elif self.element.alt_max_code and self.group_size is None:
-            raise ValueError(
-                f"group_size=None: {self.dtype} needs a group size (it picks a scale per group)"
+                f"group_size=None: {self.dtype} needs a group size (it keeps a zero point, a "
+                "chosen scale or a scale word per group)"
             )
         if not isinstance(self.token_group, int) or self.token_group < 1:
             raise ValueError(f"token_group={self.token_group!r}: must be a positive int")
@@ -106,10 +105,6 @@ class KVFormat:
             raise ValueError(
                 f"scale_dtype={self.scale_dtype!r}: {self.dtype} keeps its zero point inside an "
                 f"{needed} scale word; allowed ['{needed}']"
-            )
-        if needed is not None and self.group_size is None:
-            raise ValueError(
-                f"group_size=None: {self.dtype} needs a group size (a scale word per group)"
             )
         if self.zero_point and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
             raise ValueError(

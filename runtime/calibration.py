@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.fp_codes import E4M3_MAX
 from kernels.kv_format import KVFormat
 from kernels.rotation import Rotation, rotate
 from runtime.kv_bytes import LayerFormats
@@ -28,7 +29,6 @@ from runtime.model import DecoderModel, DenseCausalAttention
 from runtime.tokenizer import Tokenizer
 
 FREE_HEADROOM = 2.0
-E4M3_MAX = 448.0
 CALIBRATION_TEXT = (
     "The cache of keys and values grows with every token a model reads. Long documents, "
     "code listings, tables of numbers such as 3.14159, 2718 and 1,000,000, conversations "

@@ -6,16 +6,16 @@ largest representable magnitude fixed before the first write: max_code x tensor 
 sets the tensor scale from a fixed text; this counter says how often the workload's own values
 exceed it, so a bad calibration, or an engine's unit scale, shows up as a number instead of a
 silent accuracy loss. Streams with fp16, fp32 or UE8M0 group scales adapt to every group and
-are not counted. Counts stay on the device (no synchronization per layer).
+are not counted. Every row of a step's K and V gets a slot, so every row is counted. Counts
+stay on the device (no synchronization per layer).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.fp_codes import E4M3_MAX
 from kernels.kv_format import KVFormat
-
-E4M3_MAX = 448.0
 
 
 def range_limit(fmt: KVFormat, tensor_scale: torch.Tensor | None) -> float | None:
@@ -39,14 +39,12 @@ class ClipCounter:
         self._clipped = torch.zeros((), dtype=torch.int64, device=device)
         self._checked = torch.zeros((), dtype=torch.int64, device=device)
 
-    def count(self, layer: int, k: torch.Tensor, v: torch.Tensor, written: torch.Tensor) -> None:
-        """Count the rows of k, v [tokens, heads, D] that are written (bool [tokens])."""
+    def count(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Count this step's k, v [tokens, heads, D] of one layer."""
         for x, limit in zip((k, v), self.limits[layer], strict=True):
-            if limit is None:
-                continue
-            rows = x[written]
-            self._clipped += (rows.abs() > limit).sum()
-            self._checked += rows.numel()
+            if limit is not None:
+                self._clipped += (x.abs() > limit).sum()
+                self._checked += x.numel()
 
     @property
     def clipped(self) -> int:

@@ -363,7 +363,7 @@ class KVCache:
             k, v = rotate(k, rotation), rotate(v, rotation)
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
-        self.clips.count(layer, k, v, layout.slot_mapping >= 0)
+        self.clips.count(layer, k, v)
         self.ops.write_kv(k, v, layout.slot_mapping, pools.k[tail], pools.v[tail])
         self._run_copies(layer, layout.copies)
         streams = {

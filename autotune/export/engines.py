@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from autotune.config.engine_presets import ENGINES
 from autotune.config.settings import DeviceSpec, ServeSettings
 from autotune.export.exact_presets import EXACT, ExactPreset, exact_preset
 from autotune.planning.capacity import CapacityRow, build_plan, capacity_row, kv_budget_bytes
@@ -31,7 +32,7 @@ from autotune.study.objectives import capacity_metrics
 from autotune.study.recipe import TuneSetup
 from autotune.study.results import TrialRecord, metric_table
 from runtime.arch import ModelArch
-from runtime.kv_bytes import kv_bytes_per_sequence
+from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
 from runtime.policy import NO_ROTATION, PER_TENSOR, ZERO_POINT_DTYPES, KVPolicy
 
 VLLM_CUDA_MAX_BLOCK = 32
@@ -142,8 +143,7 @@ def nearest_measured(
     ]
     if not accurate:
         return mapping
-    tokens = 1024
-    best = min(accurate, key=lambda r: kv_bytes_per_sequence(arch, r.policy, tokens))
+    best = min(accurate, key=lambda r: kv_bytes_per_token(arch, r.policy))
     dtype = (best.warm_start or "").split("/", 1)[1]
     return EngineMapping(dtype, (), best.policy, None, best)
 
@@ -354,7 +354,7 @@ def _measured_presets_table(
     record: TrialRecord, records: Sequence[TrialRecord], setup: TuneSetup
 ) -> list[str]:
     """The engine presets this study measured, beside the picked trial (none: no lines)."""
-    presets = [r for engine in ("vllm", "sglang") for r in engine_preset_trials(records, engine)]
+    presets = [r for engine in ENGINES for r in engine_preset_trials(records, engine)]
     if not presets:
         return []
     tokens = setup.workload.context_len

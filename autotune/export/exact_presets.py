@@ -42,7 +42,7 @@ def exact_preset(policy: KVPolicy, arch: ModelArch, engine: str) -> ExactPreset 
     quantized = {pair for i, pair in enumerate(pairs) if i not in skip}
     if len(quantized) != 1 or (skip and engine != "vllm"):
         return None
-    for name, preset in engine_presets(arch.head_dim).items():
+    for name, preset in engine_presets(arch.cached_vector_size).items():
         if not name.startswith(f"{engine}/"):
             continue
         same = all(getattr(policy, f) == getattr(preset, f) for f in STORAGE_FIELDS)

@@ -100,11 +100,10 @@ class StudySettings:
         if isinstance(presets, str) or not all(isinstance(p, str) for p in presets):
             raise ConfigError("study.engine_presets", presets, "a list of preset names")
         object.__setattr__(self, "engine_presets", tuple(presets))
-        unknown = [p for p in self.engine_presets if p not in preset_names()]
+        known = preset_names()
+        unknown = [p for p in self.engine_presets if p not in known]
         if unknown:
-            raise ConfigError(
-                "study.engine_presets", unknown[0], f"names from {', '.join(preset_names())}"
-            )
+            raise ConfigError("study.engine_presets", unknown[0], f"names from {', '.join(known)}")
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ConfigError("study.name", self.name, "a non-empty name without '/'")
         if self.sampler not in SAMPLERS:
