@@ -77,6 +77,25 @@ POLICIES: dict[str, KVPolicy] = {
     "K int2 channel b64 / V int4 g64 rotated": KVPolicy(
         "int2", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=64
     ),
+    # 3-bit codes (eight in three bytes): integer, or Lloyd-Max levels of rotated vectors.
+    "int3 K channel b64 / V g64 rotated": KVPolicy(
+        "int3", "int3", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=64
+    ),
+    "K int3 channel b64 / V lloyd3 rotated": KVPolicy(
+        "int3", "lloyd3", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=64
+    ),
+    "K int3 channel b128 / V lloyd3 rotated": KVPolicy(
+        "int3", "lloyd3", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=128
+    ),
+    "lloyd3 rotated": KVPolicy("lloyd3", "lloyd3", group_size=64, rotation="hadamard"),
+    "K lloyd4 / V lloyd3 rotated": KVPolicy("lloyd4", "lloyd3", group_size=64, rotation="hadamard"),
+    # Rotated values are near Gaussian: 2-bit Lloyd-Max levels lose far less than 4 uniform steps.
+    "K int4 channel b64 / V lloyd2 rotated": KVPolicy(
+        "int4", "lloyd2", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=64
+    ),
+    "K int4 channel b32 / V lloyd2 rotated": KVPolicy(
+        "int4", "lloyd2", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32
+    ),
 }
 
 

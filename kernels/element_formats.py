@@ -12,8 +12,12 @@ zero), CODE_E2M1_4OVER6 (E2M1 whose group scale is amax / 6 or amax / 4, whichev
 the group with the smaller squared error: vLLM's nvfp4_4over6), CODE_INT8_SYMMETRIC (signed
 int8 codes with a symmetric scale, vLLM's int8_per_token_head), CODE_INT4_ZERO_IN_SCALE (int4
 codes whose integer zero point sits in the low bits of an fp32 scale, vLLM's
-int4_per_token_head: `kernels.zero_in_scale_codes`), and CODE_UINT + bits for the unsigned
-integer codes of the asymmetric formats.
+int4_per_token_head: `kernels.zero_in_scale_codes`), and three families indexed by bits:
+CODE_UINT + bits for the unsigned integer codes of the asymmetric formats, CODE_UINT_HALF_UP +
+bits for vLLM TurboQuant's value codes (asymmetric, coded from the fp32 range with halves
+rounded up, scale and zero point stored in fp16) and CODE_LLOYD + bits for TurboQuant's key
+codes (Lloyd-Max levels of the unit vector, `kernels.lloyd_max`; the group "scale" is its fp16
+L2 norm, and a read rescales the levels to unit norm first: norm correction).
 """
 
 from __future__ import annotations
@@ -32,7 +36,14 @@ from kernels.fp_codes import (
     encode_e4m3_fast,
     pack_e2m1_ref,
 )
-from kernels.int_codes import encode_uint_ref, pack_codes_ref, unpack_codes_ref
+from kernels.int_codes import (
+    codes_per_chunk,
+    encode_uint_half_up_ref,
+    encode_uint_ref,
+    pack_codes_ref,
+    unpack_codes_ref,
+)
+from kernels.lloyd_max import encode_lloyd_ref
 from kernels.symmetric_int_codes import decode_int8_symmetric_ref, encode_int8_symmetric_ref
 from kernels.zero_in_scale_codes import encode_zero_in_scale_ref
 
@@ -44,13 +55,16 @@ CODE_INT8_SYMMETRIC = 4
 CODE_E2M1_4OVER6 = 5
 CODE_INT4_ZERO_IN_SCALE = 6
 CODE_UINT = 16
+CODE_UINT_HALF_UP = 32
+CODE_LLOYD = 48
 
 
 @dataclass(frozen=True)
 class ElementFormat:
     """One quantized element code.
 
-    bits: bits a code takes (codes narrower than a byte are packed little end first).
+    bits: bits a code takes (codes narrower than a byte are packed little end first, in one
+        bit stream per vector: `kernels.int_codes`).
     code: CODE constexpr the Triton helpers switch on.
     max_code: symmetric formats: largest magnitude, scale = amax / max_code; asymmetric ones:
         largest code 2^bits - 1, scale = (max - zero) / max_code.
@@ -61,6 +75,7 @@ class ElementFormat:
         group keeps the candidate whose reconstruction has the smaller squared error (the first
         on a tie). 0 = one candidate.
     scale_dtype: the one scale dtype the format's scale words need (None: any).
+    whole_vector: one group is one whole vector (group_size = head_dim, per token).
     """
 
     bits: int
@@ -71,11 +86,17 @@ class ElementFormat:
     decode: Callable[[torch.Tensor], torch.Tensor]
     alt_max_code: float = 0.0
     scale_dtype: str | None = None
+    whole_vector: bool = False
 
     @property
-    def per_byte(self) -> int:
-        """Codes one byte holds (1 for 8-bit codes)."""
-        return 8 // self.bits
+    def chunk(self) -> int:
+        """Codes that fill a whole number of bytes (a vector holds a multiple of them)."""
+        return codes_per_chunk(self.bits)
+
+    @property
+    def family(self) -> int:
+        """CODE of the format's family (CODE_UINT, CODE_UINT_HALF_UP, CODE_LLOYD) or its own."""
+        return self.code if self.code < CODE_UINT else self.code - self.bits
 
 
 def _uint_format(bits: int) -> ElementFormat:
@@ -87,6 +108,34 @@ def _uint_format(bits: int) -> ElementFormat:
         zero_point=True,
         encode=lambda u: pack_codes_ref(encode_uint_ref(u, bits), bits),
         decode=lambda packed: unpack_codes_ref(packed, bits).float(),
+    )
+
+
+def _uint_half_up_format(bits: int) -> ElementFormat:
+    """vLLM TurboQuant's value codes: asymmetric, `bits`-bit codes, fp16 scale and zero point."""
+    return ElementFormat(
+        bits=bits,
+        code=CODE_UINT_HALF_UP + bits,
+        max_code=float(2**bits - 1),
+        zero_point=True,
+        encode=lambda u: pack_codes_ref(encode_uint_half_up_ref(u, bits), bits),
+        decode=lambda packed: unpack_codes_ref(packed, bits).float(),
+        scale_dtype="fp16",
+    )
+
+
+def _lloyd_format(bits: int) -> ElementFormat:
+    """vLLM TurboQuant's key codes: Lloyd-Max levels of the unit vector, its fp16 L2 norm as the
+    one group scale. encode takes unit-vector coordinates; decode gives code indices."""
+    return ElementFormat(
+        bits=bits,
+        code=CODE_LLOYD + bits,
+        max_code=0.0,
+        zero_point=False,
+        encode=lambda y: pack_codes_ref(encode_lloyd_ref(y, bits, y.shape[-1]), bits),
+        decode=lambda packed: unpack_codes_ref(packed, bits).float(),
+        scale_dtype="fp16",
+        whole_vector=True,
     )
 
 
@@ -136,7 +185,13 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
     ),
     "int8": _uint_format(8),
     "int4": _uint_format(4),
+    "int3": _uint_format(3),
     "int2": _uint_format(2),
+    "int4_tq": _uint_half_up_format(4),
+    "int3_tq": _uint_half_up_format(3),
+    "lloyd4": _lloyd_format(4),
+    "lloyd3": _lloyd_format(3),
+    "lloyd2": _lloyd_format(2),
 }
 _BY_CODE = {element.code: element for element in ELEMENT_FORMATS.values()}
 
@@ -157,3 +212,21 @@ def code_max(code):
 def code_alt_max(code):
     """alt_max_code of the element format with this CODE (a Triton constexpr; 0 for none)."""
     return _BY_CODE[code].alt_max_code
+
+
+@triton.constexpr_function
+def code_chunk(code):
+    """Codes that fill whole bytes for the element format with this CODE (a Triton constexpr)."""
+    return _BY_CODE[code].chunk
+
+
+@triton.constexpr_function
+def code_family(code):
+    """Family CODE of the element format with this CODE (a Triton constexpr)."""
+    return _BY_CODE[code].family
+
+
+@triton.constexpr_function
+def code_zero_point(code):
+    """Whether the element format with this CODE stores a zero point (a Triton constexpr)."""
+    return _BY_CODE[code].zero_point

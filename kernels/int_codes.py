@@ -1,4 +1,4 @@
-"""Unsigned integer codes of the asymmetric uniform formats (int8, int4, int2): Triton device
+"""Unsigned integer codes of the asymmetric uniform formats (int8, int4, int3, int2): Triton device
 functions and torch references.
 
 A group of values is mapped onto the grid zero + c * scale, c = 0 .. 2^bits - 1 (see
@@ -6,17 +6,23 @@ A group of values is mapped onto the grid zero + c * scale, c = 0 .. 2^bits - 1 
 the code is u clamped to [0, 2^bits - 1] and rounded to the nearest integer, ties to even.
 Inputs must be finite: NaN and infinities give unspecified codes.
 
-Packing (int4, int2): codes are packed little end first, like FP4: element i of a vector lives
-in byte i // (8 / bits) at bit offset (i % (8 / bits)) * bits, so int4 puts element 2i in the
-low nibble of byte i and int2 puts element 4i in the lowest two bits of byte i. int8 is one
-code a byte. `pack_codes_ref` / `unpack_codes_ref` are the torch versions of that layout.
+Packing: codes form one little-endian bit stream per vector, least significant bits first:
+element i occupies bits [i * bits, (i + 1) * bits) of the vector's bytes. int8 is one code a
+byte; int4 puts element 2i in the low nibble of byte i (like FP4); int2 puts element 4i in the
+lowest two bits of byte i; int3 packs 8 codes into 3 bytes, element i starting at bit 3i (some
+codes straddle two bytes). `pack_codes_ref` / `unpack_codes_ref` are the torch versions.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
+
+# Smallest scale of vLLM TurboQuant's value codes (a constant group still divides safely).
+HALF_UP_SCALE_FLOOR = 1e-8
 
 
 @triton.jit
@@ -34,29 +40,52 @@ def encode_uint(u, BITS: tl.constexpr):
     return whole + round_up.to(tl.int32)
 
 
+@triton.jit
+def encode_uint_half_up(u, BITS: tl.constexpr):
+    """fp32 tile u >= 0 (code units) -> int32 codes clamp(trunc(u + 0.5), 0, 2^BITS - 1):
+    halves round up (vLLM TurboQuant's value codes)."""
+    top: tl.constexpr = 2**BITS - 1
+    shifted = tl.minimum(tl.maximum(u + 0.5, 0.0), top + 0.5)
+    return shifted.to(tl.int32)
+
+
 def encode_uint_ref(u: torch.Tensor, bits: int) -> torch.Tensor:
     """fp32 tensor u (code units) -> uint8 codes: clamp to [0, 2^bits - 1], round half to even."""
     return torch.round(u.float().clamp(0, 2**bits - 1)).to(torch.uint8)
 
 
+def encode_uint_half_up_ref(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """Torch reference of `encode_uint_half_up`: uint8 codes."""
+    return torch.trunc(u.float() + 0.5).clamp(0, 2**bits - 1).to(torch.uint8)
+
+
+def codes_per_chunk(bits: int) -> int:
+    """Codes in the smallest whole number of bytes they fill exactly (8 for 3-bit codes)."""
+    return 8 // math.gcd(bits, 8)
+
+
 def pack_codes_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., D] of `bits` bits each -> bytes [..., D * bits / 8], little end first."""
-    per_byte = 8 // bits
-    if codes.shape[-1] % per_byte:
-        raise ValueError(f"codes.shape[-1]={codes.shape[-1]}: must be a multiple of {per_byte}")
-    if per_byte == 1:
+    chunk = codes_per_chunk(bits)
+    if codes.shape[-1] % chunk:
+        raise ValueError(f"codes.shape[-1]={codes.shape[-1]}: must be a multiple of {chunk}")
+    if bits == 8:
         return codes.to(torch.uint8)
-    grouped = codes.to(torch.uint8).unflatten(-1, (-1, per_byte))
-    packed = torch.zeros(grouped.shape[:-1], dtype=torch.uint8, device=codes.device)
-    for position in range(per_byte):
-        packed |= grouped[..., position] << (position * bits)
-    return packed
+    chunks = codes.to(torch.int64).unflatten(-1, (-1, chunk))
+    shifts = torch.arange(chunk, device=codes.device) * bits
+    words = (chunks << shifts).sum(-1)  # disjoint bit fields: the sum is their bitwise or
+    byte_shifts = torch.arange(chunk * bits // 8, device=codes.device) * 8
+    return ((words[..., None] >> byte_shifts) & 0xFF).to(torch.uint8).flatten(-2)
 
 
 def unpack_codes_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """bytes [..., B] -> uint8 codes [..., B * 8 / bits]; inverse of `pack_codes_ref`."""
-    per_byte = 8 // bits
-    if per_byte == 1:
+    if bits == 8:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+    chunk = codes_per_chunk(bits)
+    chunk_bytes = chunk * bits // 8
+    grouped = packed.to(torch.int64).unflatten(-1, (-1, chunk_bytes))
+    byte_shifts = torch.arange(chunk_bytes, device=packed.device) * 8
+    words = (grouped << byte_shifts).sum(-1)
+    shifts = torch.arange(chunk, device=packed.device) * bits
+    return ((words[..., None] >> shifts) & (2**bits - 1)).to(torch.uint8).flatten(-2)

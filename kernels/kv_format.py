@@ -46,9 +46,11 @@ class KVFormat:
         each group scaled by amax / 6 or amax / 4, whichever reconstructs it better: vLLM's
         nvfp4_4over6; needs a group_size), int4_zp_in_scale (vLLM's int4_per_token_head codes:
         an integer zero point in the low bits of each fp32 group scale; needs scale_dtype fp32),
-        or the asymmetric
-        uniform int8 | int4 | int2 (unsigned codes packed the same way, a scale and a zero
-        point per group; see `kernels.element_formats`).
+        the asymmetric uniform int8 | int4 | int3 | int2 (unsigned codes packed in one bit stream
+        per vector, a scale and a zero point per group), vLLM TurboQuant's int4_tq | int3_tq
+        (value codes: coded from the fp32 range, halves up, fp16 scale and zero point) and
+        lloyd4 | lloyd3 (key codes: Lloyd-Max levels of the unit vector with its fp16 norm;
+        group_size must be head_dim); see `kernels.element_formats`.
     group_size: elements along head_dim sharing one scale (and zero point); None means one fp32
         scale for the whole tensor (per layer and per K/V, as vLLM's fp8 cache), which the
         integer formats refuse: they need a zero point per group. Ignored when unquantized.
@@ -95,6 +97,10 @@ class KVFormat:
             )
         if not isinstance(self.token_group, int) or self.token_group < 1:
             raise ValueError(f"token_group={self.token_group!r}: must be a positive int")
+        if self.token_group > 1 and self.quantized and self.element.whole_vector:
+            raise ValueError(
+                f"token_group={self.token_group}: {self.dtype} codes whole vectors; allowed [1]"
+            )
         if self.token_group > 1 and self.group_size is None:
             raise ValueError(
                 f"token_group={self.token_group}: needs group scales (a quantized format with a "
@@ -103,8 +109,8 @@ class KVFormat:
         needed = self.element.scale_dtype if self.quantized else None
         if needed is not None and self.scale_dtype != needed:
             raise ValueError(
-                f"scale_dtype={self.scale_dtype!r}: {self.dtype} keeps its zero point inside an "
-                f"{needed} scale word; allowed ['{needed}']"
+                f"scale_dtype={self.scale_dtype!r}: {self.dtype} stores its group scales as "
+                f"{needed}; allowed ['{needed}']"
             )
         if self.zero_point and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
             raise ValueError(
@@ -133,14 +139,19 @@ class KVFormat:
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this format cannot store vectors of head_dim elements."""
-        per_byte = 8 // ELEMENT_BITS[self.dtype] if self.quantized else 1
-        if head_dim % per_byte:
+        chunk = self.element.chunk if self.quantized else 1
+        if head_dim % chunk:
             raise ValueError(
-                f"head_dim={head_dim}: {self.dtype} packs {per_byte} codes a byte, "
-                f"needs a multiple of {per_byte}"
+                f"head_dim={head_dim}: {self.dtype} packs {chunk} codes into whole bytes, "
+                f"needs a multiple of {chunk}"
             )
         if self.group_size is not None and head_dim % self.group_size:
             raise ValueError(f"group_size={self.group_size}: must divide head_dim={head_dim}")
+        if self.quantized and self.element.whole_vector and self.group_size != head_dim:
+            raise ValueError(
+                f"group_size={self.group_size}: {self.dtype} codes a whole vector, needs "
+                f"group_size=head_dim={head_dim}"
+            )
 
     def code_bytes(self, head_dim: int) -> int:
         """Bytes of element codes for one vector of head_dim elements."""

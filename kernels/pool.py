@@ -97,7 +97,7 @@ class KVPool:
     @property
     def head_dim(self) -> int:
         width = self.codes.shape[3]
-        return width * self.fmt.element.per_byte if self.fmt.quantized else width
+        return width * 8 // self.fmt.element.bits if self.fmt.quantized else width
 
 
 def read_vectors_ref(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:

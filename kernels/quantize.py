@@ -67,7 +67,14 @@ import triton
 import triton.language as tl
 
 from kernels import element_formats
-from kernels.element_formats import code_alt_max, code_bits, code_max
+from kernels.element_formats import (
+    code_alt_max,
+    code_bits,
+    code_chunk,
+    code_family,
+    code_max,
+    code_zero_point,
+)
 from kernels.fp_codes import (
     decode_e2m1,
     decode_e2m1_ref,
@@ -78,8 +85,9 @@ from kernels.fp_codes import (
     encode_e4m3,
     round_to_bf16,
 )
-from kernels.int_codes import encode_uint
+from kernels.int_codes import HALF_UP_SCALE_FLOOR, encode_uint, encode_uint_half_up
 from kernels.kv_format import KVFormat
+from kernels.lloyd_max import NORM_EPS, decode_lloyd, decode_lloyd_ref, encode_lloyd
 from kernels.scale_formats import decode_scale, encode_scale, scale_floor, scale_reciprocal
 from kernels.symmetric_int_codes import decode_int8_symmetric, encode_int8_symmetric
 from kernels.zero_in_scale_codes import (
@@ -92,7 +100,7 @@ from kernels.zero_in_scale_codes import (
     zero_in_scale_units_ref,
 )
 
-# Element code kinds, the CODE constexpr of the device helpers (CODE_UINT + bits for integers).
+# Element code kinds, the CODE constexpr of the device helpers (families: family CODE + bits).
 CODE_FLOAT = tl.constexpr(element_formats.CODE_FLOAT)
 CODE_E4M3 = tl.constexpr(element_formats.CODE_E4M3)
 CODE_E2M1 = tl.constexpr(element_formats.CODE_E2M1)
@@ -100,7 +108,11 @@ CODE_E2M1_TIES_AWAY = tl.constexpr(element_formats.CODE_E2M1_TIES_AWAY)
 CODE_E2M1_4OVER6 = tl.constexpr(element_formats.CODE_E2M1_4OVER6)
 CODE_INT4_ZERO_IN_SCALE = tl.constexpr(element_formats.CODE_INT4_ZERO_IN_SCALE)
 CODE_INT8_SYMMETRIC = tl.constexpr(element_formats.CODE_INT8_SYMMETRIC)
-CODE_UINT = tl.constexpr(element_formats.CODE_UINT)
+CODE_UINT_HALF_UP = tl.constexpr(element_formats.CODE_UINT_HALF_UP)
+CODE_LLOYD = tl.constexpr(element_formats.CODE_LLOYD)
+# Added to a Lloyd-Max group's norm before dividing by it; TurboQuant values' smallest scale.
+_NORM_EPS = tl.constexpr(NORM_EPS)
+_HALF_UP_SCALE_FLOOR = tl.constexpr(HALF_UP_SCALE_FLOOR)
 
 # fp32 elements one program handles in the quantize / dequantize launchers.
 TILE_ELEMENTS = 4096
@@ -111,7 +123,8 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
 
     CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY,
     CODE_E2M1_4OVER6, CODE_INT4_ZERO_IN_SCALE,
-    CODE_INT8_SYMMETRIC or CODE_UINT + bits (asymmetric integer codes with zero points);
+    CODE_INT8_SYMMETRIC, or a family's CODE + bits (CODE_UINT: asymmetric integer codes with zero
+    points; CODE_UINT_HALF_UP, CODE_LLOYD: vLLM TurboQuant's value and key codes);
     GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_DTYPE: the SCALE code of the
     group scales' dtype (0 fp16, 1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP:
     consecutive rows sharing a row of scales.
@@ -189,23 +202,31 @@ def load_dequant_tile(
         values = tl.load(codes_ptr + offsets, mask=dmask, other=0.0).to(tl.float32)
     else:
         BITS: tl.constexpr = code_bits(CODE)
-        PER_BYTE: tl.constexpr = 8 // BITS
-        offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + dims[None, :] // PER_BYTE
+        FAMILY: tl.constexpr = code_family(CODE)
+        # Element i starts at bit i * BITS of the vector's little-endian bit stream.
+        bits = dims[None, :] * BITS
+        offsets = vectors[:, None] * (HEAD_DIM * BITS // 8) + bits // 8
         codes = tl.load(codes_ptr + offsets, mask=dmask, other=0)
-        if PER_BYTE > 1:
-            # Element i sits at bit (i % PER_BYTE) * BITS of byte i // PER_BYTE.
-            shifts = ((dims[None, :] % PER_BYTE) * BITS).to(tl.uint8)
-            codes = (codes >> shifts) & (2**BITS - 1)
+        if 8 % BITS != 0:
+            shifts = bits % 8
+            # A code that straddles two bytes takes its high bits from the next byte.
+            high = tl.load(codes_ptr + offsets + 1, mask=dmask & (shifts + BITS > 8), other=0)
+            codes = ((codes.to(tl.int32) | (high.to(tl.int32) << 8)) >> shifts) & (2**BITS - 1)
+        elif BITS < 8:
+            codes = (codes >> (bits % 8).to(tl.uint8)) & (2**BITS - 1)
         if CODE == CODE_E4M3:
             values = decode_e4m3(codes)
         elif CODE == CODE_E2M1 or CODE == CODE_E2M1_TIES_AWAY or CODE == CODE_E2M1_4OVER6:  # noqa: SIM109
             values = decode_e2m1(codes)
         elif CODE == CODE_INT8_SYMMETRIC:
             values = decode_int8_symmetric(codes)
+        elif FAMILY == CODE_LLOYD:
+            levels = tl.where(dmask, decode_lloyd(codes, BITS, GROUP_SIZE), 0.0)
+            values = _unit_groups(levels, GROUP_SIZE)
         else:
             values = codes.to(tl.float32)
         if GROUP_SIZE > 0:
-            ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+            ZERO_POINT: tl.constexpr = code_zero_point(CODE)
             NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE
             PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
             scale_rows = (rows.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head
@@ -221,6 +242,26 @@ def load_dequant_tile(
                 values = values + zero.to(tl.float32)
         values = values * tl.load(tensor_scale_ptr)
     return values
+
+
+@triton.jit
+def _group_norms(grouped):
+    """fp32 L2 norms [R, G] of groups [R, G, n], summed in fp64 (where the squares of fp32
+    values are exact, so the result does not depend on the summation order)."""
+    wide = grouped.to(tl.float64)
+    return tl.sqrt(tl.sum(wide * wide, axis=2)).to(tl.float32)
+
+
+@triton.jit
+def _unit_groups(values, GROUP_SIZE: tl.constexpr):
+    """Each group of GROUP_SIZE elements of a tile [R, C] divided by its L2 norm (norm
+    correction of Lloyd-Max levels; all-zero groups stay 0)."""
+    BLOCK_R: tl.constexpr = values.shape[0]
+    BLOCK_C: tl.constexpr = values.shape[1]
+    grouped = tl.reshape(values, (BLOCK_R, BLOCK_C // GROUP_SIZE, GROUP_SIZE))
+    norms = _group_norms(grouped)[:, :, None]
+    divisor = tl.broadcast_to(tl.where(norms == 0.0, 1.0, norms), grouped.shape)
+    return tl.reshape(tl.math.div_rn(grouped, divisor), (BLOCK_R, BLOCK_C))
 
 
 @triton.jit
@@ -261,7 +302,8 @@ def _group_parameters(
     points for asymmetric CODEs; return scales and zero points (0 when symmetric) as fp32
     [R, G]. A CODE with a second scale candidate (E2M1 4over6) keeps, per group, the one with
     the smaller squared error (the first on a tie)."""
-    ZERO_POINT: tl.constexpr = CODE > CODE_UINT
+    ZERO_POINT: tl.constexpr = code_zero_point(CODE)
+    FAMILY: tl.constexpr = code_family(CODE)
     MAX_CODE: tl.constexpr = code_max(CODE)
     ALT_MAX_CODE: tl.constexpr = code_alt_max(CODE)
     BLOCK_R: tl.constexpr = scaled.shape[0]
@@ -270,6 +312,19 @@ def _group_parameters(
     if CODE == CODE_INT4_ZERO_IN_SCALE:
         low, high = tl.min(grouped, axis=2), tl.max(grouped, axis=2)
         scale, zero, stored = zero_in_scale_parameters(low, high)
+    elif FAMILY == CODE_LLOYD:
+        # Stored: the fp16 norm; coded: coordinates of x / (fp32 norm + eps).
+        zero = tl.zeros((BLOCK_R, NUM_GROUPS), tl.float32)
+        norm = _group_norms(grouped)
+        stored = norm.to(tl.float16)
+        scale = norm + _NORM_EPS
+    elif FAMILY == CODE_UINT_HALF_UP:
+        # Coded from the fp32 minimum and scale; both stored in fp16.
+        zero = tl.min(grouped, axis=2)
+        span = tl.max(grouped, axis=2) - zero
+        levels = tl.full(span.shape, MAX_CODE, tl.float32)
+        scale = tl.maximum(tl.math.div_rn(span, levels), _HALF_UP_SCALE_FLOOR)
+        stored, stored_zero = scale.to(tl.float16), zero.to(tl.float16)
     elif ZERO_POINT:
         stored_zero = tl.min(grouped, axis=2).to(tl.float16)
         zero = stored_zero.to(tl.float32)
@@ -302,12 +357,13 @@ def _store_codes(
     scaled,
     HEAD_DIM: tl.constexpr,
     CODE: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
 ):
     """Encode a tile [R, BLOCK_D] already in code units and store it, packed, at vectors."""
     BLOCK_R: tl.constexpr = scaled.shape[0]
     BLOCK_D: tl.constexpr = scaled.shape[1]
     BITS: tl.constexpr = code_bits(CODE)
-    PER_BYTE: tl.constexpr = 8 // BITS
+    FAMILY: tl.constexpr = code_family(CODE)
     if CODE == CODE_E4M3:
         codes = encode_e4m3(scaled).to(tl.int32)
     elif CODE == CODE_E2M1 or CODE == CODE_E2M1_4OVER6:  # noqa: SIM109 (constexprs)
@@ -318,18 +374,26 @@ def _store_codes(
         codes = encode_int8_symmetric(scaled)
     elif CODE == CODE_INT4_ZERO_IN_SCALE:
         codes = encode_zero_in_scale(scaled)
+    elif FAMILY == CODE_LLOYD:
+        codes = encode_lloyd(scaled, BITS, GROUP_SIZE)
+    elif FAMILY == CODE_UINT_HALF_UP:
+        codes = encode_uint_half_up(scaled, BITS)
     else:
         codes = encode_uint(scaled, BITS)
-    if PER_BYTE > 1:
-        # Element i goes to bit (i % PER_BYTE) * BITS of byte i // PER_BYTE; the bit fields do
-        # not overlap, so their sum is their bitwise or.
-        shifts = tl.arange(0, PER_BYTE) * BITS
-        per_byte = tl.reshape(codes, (BLOCK_R, BLOCK_D // PER_BYTE, PER_BYTE))
-        codes = tl.sum(per_byte << shifts[None, None, :], axis=2)
-    byte_dims = tl.arange(0, BLOCK_D // PER_BYTE)
-    offsets = vectors[:, None] * (HEAD_DIM // PER_BYTE) + byte_dims[None, :]
-    byte_mask = mask[:, None] & (byte_dims[None, :] < HEAD_DIM // PER_BYTE)
-    tl.store(codes_ptr + offsets, codes.to(tl.uint8), mask=byte_mask)
+    # CHUNK codes fill CHUNK_BYTES whole bytes; code j of a chunk goes to bit j * BITS of its
+    # little-endian word (disjoint bit fields: their sum is their bitwise or).
+    CHUNK: tl.constexpr = code_chunk(CODE)
+    CHUNK_BYTES: tl.constexpr = CHUNK * BITS // 8
+    if CHUNK > 1:
+        shifts = tl.arange(0, CHUNK) * BITS
+        chunks = tl.reshape(codes, (BLOCK_R, BLOCK_D // CHUNK, CHUNK))
+        codes = tl.sum(chunks << shifts[None, None, :], axis=2)
+    chunk_ids = tl.arange(0, BLOCK_D // CHUNK)
+    chunk_mask = mask[:, None] & (chunk_ids[None, :] < HEAD_DIM // CHUNK)
+    starts = vectors[:, None] * (HEAD_DIM * BITS // 8) + chunk_ids[None, :] * CHUNK_BYTES
+    for byte in tl.static_range(CHUNK_BYTES):
+        stored = ((codes >> (8 * byte)) & 0xFF).to(tl.uint8)
+        tl.store(codes_ptr + starts + byte, stored, mask=chunk_mask)
 
 
 @triton.jit
@@ -339,7 +403,7 @@ def _to_code_units(grouped, scale, zero, CODE: tl.constexpr, RECIPROCAL: tl.cons
     zero-in-scale int4 codes; grouped [..., G, n] with scale and zero broadcastable to it."""
     if CODE == CODE_INT4_ZERO_IN_SCALE:
         return zero_in_scale_units(grouped, scale, zero)
-    if CODE > CODE_UINT:
+    if code_zero_point(CODE):
         grouped = grouped - zero
     divisor = tl.where(scale == 0.0, 1.0, scale)
     if RECIPROCAL:
@@ -397,7 +461,7 @@ def quantize_store_tile(
                 scale_reciprocal(SCALE_DTYPE),
             )
             scaled = tl.reshape(grouped, (BLOCK_R, BLOCK_D))
-        _store_codes(codes_ptr, vectors, mask, scaled, HEAD_DIM, CODE)
+        _store_codes(codes_ptr, vectors, mask, scaled, HEAD_DIM, CODE, GROUP_SIZE)
 
 
 @triton.jit
@@ -444,7 +508,15 @@ def quantize_store_token_groups(
     )
     scaled = tl.reshape(grouped, (TOKEN_GROUP, BLOCK_D))
     vectors = rows * NUM_HEADS + head
-    _store_codes(codes_ptr, vectors, tl.full((TOKEN_GROUP,), True, tl.int1), scaled, HEAD_DIM, CODE)
+    _store_codes(
+        codes_ptr,
+        vectors,
+        tl.full((TOKEN_GROUP,), True, tl.int1),
+        scaled,
+        HEAD_DIM,
+        CODE,
+        GROUP_SIZE,
+    )
 
 
 @triton.jit
@@ -652,9 +724,18 @@ def quantize_ref(
 def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups [..., G, n] in tensor-scaled units -> (the same in code units, stored scales
     [..., G] or [..., 2G] with the zero points after the scales)."""
+    family = fmt.element.family
     if fmt.dtype == "int4_zp_in_scale":
         scale, zero, scales = zero_in_scale_parameters_ref(grouped.amin(-1), grouped.amax(-1))
         return zero_in_scale_units_ref(grouped, scale[..., None], zero[..., None]), scales
+    if family == element_formats.CODE_LLOYD:
+        norm = _group_norms_ref(grouped)
+        return grouped / (norm + NORM_EPS)[..., None], norm.half()
+    if family == element_formats.CODE_UINT_HALF_UP:
+        low = grouped.amin(dim=-1)
+        scale = ((grouped.amax(dim=-1) - low) / fmt.max_code).clamp(min=HALF_UP_SCALE_FLOOR)
+        units = (grouped - low[..., None]) / scale[..., None]
+        return units, torch.cat((scale.half(), low.half()), dim=-1)
     if fmt.zero_point:
         zeros = grouped.amin(dim=-1).half()
         span = (grouped.amax(dim=-1) - zeros.float()).clamp(min=0)
@@ -674,6 +755,11 @@ def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Te
     divisor = torch.where(scale == 0, 1.0, scale)[..., None]
     units = grouped * (1.0 / divisor) if fmt.scale_format.reciprocal else grouped / divisor
     return torch.where(scale[..., None] == 0, 0.0, units), scales
+
+
+def _group_norms_ref(grouped: torch.Tensor) -> torch.Tensor:
+    """Torch reference of `_group_norms`: fp32 L2 norms of groups [..., G, n] (via fp64)."""
+    return grouped.double().square().sum(dim=-1).sqrt().float()
 
 
 def _group_scale_ref(
@@ -706,6 +792,11 @@ def dequantize_ref(
     if not fmt.quantized:
         return codes.to(out_dtype)
     values = fmt.element.decode(codes)
+    if fmt.element.family == element_formats.CODE_LLOYD:
+        levels = decode_lloyd_ref(values.to(torch.uint8), fmt.element.bits, fmt.group_size)
+        grouped = levels.unflatten(-1, (head_dim // fmt.group_size, -1))
+        norms = _group_norms_ref(grouped)[..., None]
+        values = (grouped / torch.where(norms == 0, 1.0, norms)).flatten(-2)
     if scales is not None and fmt.dtype == "int4_zp_in_scale":
         scale, zero = split_scale_word_ref(scales)
         values = (values.unflatten(-1, (scale.shape[-1], -1)) - zero[..., None]) * scale[..., None]

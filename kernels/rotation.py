@@ -21,6 +21,10 @@ hadamard (kvtune's): R = diag(s_l) H / sqrt(D), the random signs of layer l draw
 mapped 0 -> -1, 1 -> +1, so every run, device and process rotates layer l the same way; K, V
 and the queries of a layer share R.
 
+turboquant (vLLM 0.33.0's TurboQuant caches): R = H / sqrt(D), the Sylvester Hadamard matrix with
+no random signs, the same in every layer, applied to keys only (values are cached as they are,
+so the attention output needs no un-rotation).
+
 vllm_rht (vLLM 0.33.0's int4_per_token_head, docs/engine_formats.md): one unnormalized
 randomized Hadamard transform for every layer, y = H_b (s * x) in each block of b coordinates
 (b the largest power-of-two divisor of head_dim), s = 2 * bernoulli(0.5) - 1 drawn from a CPU
@@ -30,6 +34,7 @@ before quantizing them (round_to_input).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,14 +48,16 @@ VLLM_RHT_SEED = 0x9E3779B9
 @dataclass(frozen=True)
 class Rotation:
     """matrix: fp32 [D, D] with matrix @ matrix.T = gain * I; round_to_input: rotated K and V
-    are cast back to the dtype they came in before they are quantized."""
+    are cast back to the dtype they came in before they are quantized; rotates_values: V is
+    rotated too (else keys only, and outputs need no un-rotation)."""
 
     matrix: torch.Tensor
     gain: float = 1.0
     round_to_input: bool = False
+    rotates_values: bool = True
 
     def to(self, device: torch.device | str) -> Rotation:
-        return Rotation(self.matrix.to(device), self.gain, self.round_to_input)
+        return dataclasses.replace(self, matrix=self.matrix.to(device))
 
 
 def is_power_of_two(n: int) -> bool:
@@ -98,17 +105,24 @@ def vllm_rht_matrix(head_dim: int) -> torch.Tensor:
 ROTATIONS: dict[str, Callable[[int, int], Rotation | None]] = {
     "none": lambda head_dim, layer: None,
     "hadamard": lambda head_dim, layer: Rotation(randomized_hadamard(head_dim, layer)),
+    "turboquant": lambda head_dim, layer: Rotation(
+        hadamard_matrix(head_dim) / math.sqrt(head_dim), rotates_values=False
+    ),
     "vllm_rht": lambda head_dim, layer: Rotation(
         vllm_rht_matrix(head_dim), float(largest_power_of_two_divisor(head_dim)), True
     ),
 }
 
 
+# Rotations built from one Sylvester Hadamard matrix of head_dim rows.
+POWER_OF_TWO_ROTATIONS = ("hadamard", "turboquant")
+
+
 def check_rotation(name: str, head_dim: int) -> None:
     """Raise ValueError if rotation `name` cannot rotate vectors of head_dim elements."""
     if name not in ROTATIONS:
         raise ValueError(f"rotation={name!r}: allowed {sorted(ROTATIONS)}")
-    if name == "hadamard" and not is_power_of_two(head_dim):
+    if name in POWER_OF_TWO_ROTATIONS and not is_power_of_two(head_dim):
         raise ValueError(f"head_dim={head_dim}: the Hadamard rotation needs a power of two")
 
 

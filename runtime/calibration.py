@@ -95,7 +95,8 @@ class _AmaxRecorder:
         out = self.attention(layer_index, q, k, v)
         rotation = self.rotations[layer_index]
         if rotation is not None:
-            k, v = rotate(k, rotation), rotate(v, rotation)
+            k = rotate(k, rotation)
+            v = rotate(v, rotation) if rotation.rotates_values else v
         self.k_amax[layer_index] = max(self.k_amax[layer_index], float(k.abs().max()))
         self.v_amax[layer_index] = max(self.v_amax[layer_index], float(v.abs().max()))
         return out

@@ -359,8 +359,8 @@ class KVCache:
         """Write this step's K/V of one layer, then attend its queries over the cache."""
         dtype, rotation = q.dtype, self.rotations[layer]
         if rotation is not None:  # q.k is unchanged; the output is rotated back below
-            q = rotate_queries(q, rotation)
-            k, v = rotate(k, rotation), rotate(v, rotation)
+            q, k = rotate_queries(q, rotation), rotate(k, rotation)
+            v = rotate(v, rotation) if rotation.rotates_values else v
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.clips.count(layer, k, v)
@@ -388,7 +388,7 @@ class KVCache:
         out = self.ops.attention(
             q, positions, layout.q_seq_starts, list(streams.values()), scale, layout.max_q_len
         )
-        if rotation is not None:
+        if rotation is not None and rotation.rotates_values:
             out = unrotate(out, rotation)
         return out.to(dtype)
 

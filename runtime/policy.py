@@ -15,7 +15,7 @@ import yaml
 
 from kernels.element_formats import ELEMENT_FORMATS
 from kernels.kv_format import QUANTIZED_DTYPES, TENSOR_SCALES, ZERO_POINT_SCALE_DTYPES, KVFormat
-from kernels.rotation import ROTATIONS, is_power_of_two
+from kernels.rotation import POWER_OF_TWO_ROTATIONS, ROTATIONS, is_power_of_two
 from kernels.scale_formats import SCALE_FORMATS
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
@@ -25,12 +25,30 @@ KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", *QUANTIZED_DTYPES)
 ZERO_POINT_DTYPES: tuple[str, ...] = tuple(
     name for name, element in ELEMENT_FORMATS.items() if element.zero_point
 )
+# Formats that keep something per group (a zero point, a chosen scale, a scale word of a fixed
+# dtype), so no per-tensor form.
+GROUPED_DTYPES: tuple[str, ...] = tuple(
+    name
+    for name, element in ELEMENT_FORMATS.items()
+    if element.zero_point or element.alt_max_code or element.scale_dtype
+)
+FIXED_SCALE_DTYPES: dict[str, str] = {
+    name: element.scale_dtype
+    for name, element in ELEMENT_FORMATS.items()
+    if element.scale_dtype is not None
+}
+# Formats whose one group is a whole vector (group_size = head_dim).
+WHOLE_VECTOR_DTYPES: tuple[str, ...] = tuple(
+    name for name, element in ELEMENT_FORMATS.items() if element.whole_vector
+)
 SCALE_DTYPES: tuple[str, ...] = tuple(SCALE_FORMATS)
 ROTATION_NAMES: tuple[str, ...] = tuple(ROTATIONS)
 NO_ROTATION = "none"
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
 K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
 PER_TENSOR = "tensor"
+# What the boundary layers cache (boundary_layers).
+BOUNDARY_PAIR = ("fp16", "fp16")
 # How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
 # pooled before RoPE; kernels/rope_align.py), or averaged as cached (post_rope, the old way).
 CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope")
@@ -42,6 +60,20 @@ CSA_INDEXES: tuple[str, ...] = ("bounds", "summaries")
 
 def _field(name: str) -> str:
     return f"policy.{name}"
+
+
+def _normalised_group_size(name: str, value: object) -> int | str:
+    """A group size as an int (digits accepted) or "tensor"."""
+    original = value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == PER_TENSOR:
+        return PER_TENSOR
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            _field(name), original, f'a positive integer dividing head_dim, or "{PER_TENSOR}"'
+        )
+    return value
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -80,7 +112,9 @@ class KVPolicy:
     layer_dtypes: optional "K/V" pair per layer overriding the defaults, e.g. ("fp8/fp4", ...).
     group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
         and per K/V (fp8/fp4 only: the integer formats need a group). Only quantized streams
-        store scales.
+        store scales. lloyd4 / lloyd3 code whole vectors: their group_size is head_dim.
+    k_group_size: the keys' group_size where it differs from the values' (null: group_size);
+        vLLM's turboquant_k8v4 keeps fp8 keys per tensor beside per-vector value scales.
     scale_dtype: fp16 group scales, e4m3 (NVFP4-style, with an fp32 per-tensor scale), fp32
         (vLLM's per-token-head scales) or ue8m0 (powers of two, MX-style); see
         kernels/scale_formats.py. The integer formats need fp16: their zero points are stored
@@ -114,12 +148,17 @@ class KVPolicy:
     tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
         text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use
         without checkpoint k_scale / v_scale: the engine presets).
+    boundary_layers: the first and last N layers (at most half the model each) are cached in
+        fp16 whatever the dtypes say; vLLM's turboquant_* caches keep 2 in the model dtype
+        (16-bit on every GPU deployment; fp16 here, so that an fp32 CPU run counts the bytes
+        vLLM allocates).
     """
 
     k_dtype: str = "fp16"
     v_dtype: str = "fp16"
     layer_dtypes: tuple[str, ...] | None = None
     group_size: int | str = 32
+    k_group_size: int | str | None = None
     scale_dtype: str = "fp16"
     k_scale_axis: str = "token"
     recent_unquantized: int = 0
@@ -134,6 +173,7 @@ class KVPolicy:
     chunk_size: int = 512
     rotation: str = NO_ROTATION
     tensor_scale: str = "calibrated"
+    boundary_layers: int = 0
 
     def __post_init__(self) -> None:
         _check_dtype("k_dtype", self.k_dtype)
@@ -145,7 +185,13 @@ class KVPolicy:
                 )
             pairs = tuple(_parse_layer_pair(i, p) for i, p in enumerate(self.layer_dtypes))
             object.__setattr__(self, "layer_dtypes", pairs or None)
-        object.__setattr__(self, "group_size", self._normalised_group_size())
+        object.__setattr__(
+            self, "group_size", _normalised_group_size("group_size", self.group_size)
+        )
+        if self.k_group_size is not None:
+            k_group = _normalised_group_size("k_group_size", self.k_group_size)
+            object.__setattr__(self, "k_group_size", k_group)
+        _check_int("boundary_layers", self.boundary_layers, 0)
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConfigError(
                 _field("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
@@ -179,19 +225,10 @@ class KVPolicy:
                 _field("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
             )
 
-    def _normalised_group_size(self) -> int | str:
-        value = self.group_size
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if value == PER_TENSOR:
-            return PER_TENSOR
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ConfigError(
-                _field("group_size"),
-                self.group_size,
-                f'a positive integer dividing head_dim, or "{PER_TENSOR}"',
-            )
-        return value
+    @property
+    def key_group_size(self) -> int | str:
+        """The keys' group_size (k_group_size, or group_size when that is null)."""
+        return self.group_size if self.k_group_size is None else self.k_group_size
 
     def _check_integer_formats(self) -> None:
         """The asymmetric integer formats keep a zero point per group in the scale dtype, so
@@ -200,19 +237,43 @@ class KVPolicy:
         keys = {self.k_dtype, *(k for k, _ in pairs)}
         values = {self.v_dtype, *(v for _, v in pairs)}
         integer = sorted((keys | values) & set(ZERO_POINT_DTYPES))
-        grouped = values if self.k_scale_axis == "channel" else keys | values
-        if self.group_size == PER_TENSOR and grouped & set(ZERO_POINT_DTYPES):
-            raise ConfigError(
-                _field("group_size"),
-                self.group_size,
-                f"a positive integer with {', '.join(integer)} (a zero point per group)",
-            )
+        grouped_keys = set() if self.k_scale_axis == "channel" else keys
+        for name, group, dtypes in (
+            ("group_size", self.group_size, values),
+            (
+                "k_group_size" if self.k_group_size is not None else "group_size",
+                self.key_group_size,
+                grouped_keys,
+            ),
+        ):
+            needing = sorted(dtypes & set(GROUPED_DTYPES))
+            if group == PER_TENSOR and needing:
+                raise ConfigError(
+                    _field(name),
+                    group,
+                    f"a positive integer with {', '.join(needing)} (scales per group)",
+                )
         if integer and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
             raise ConfigError(
                 _field("scale_dtype"),
                 self.scale_dtype,
                 f"one of {', '.join(ZERO_POINT_SCALE_DTYPES)} with {', '.join(integer)} "
                 "(zero points are stored in the scale dtype)",
+            )
+        for dtype in sorted((keys | values) & set(FIXED_SCALE_DTYPES)):
+            needed = FIXED_SCALE_DTYPES[dtype]
+            if self.scale_dtype != needed:
+                raise ConfigError(
+                    _field("scale_dtype"),
+                    self.scale_dtype,
+                    f"{needed} with {dtype} (the format's own scale words)",
+                )
+        whole = sorted(keys & set(WHOLE_VECTOR_DTYPES))
+        if whole and self.k_scale_axis == "channel":
+            raise ConfigError(
+                _field("k_scale_axis"),
+                self.k_scale_axis,
+                f"token with {', '.join(whole)} keys (its codes cover one whole vector)",
             )
 
     def _check_compression(self) -> None:
@@ -291,19 +352,26 @@ class KVPolicy:
     def layer_pairs(self, num_layers: int) -> list[tuple[str, str]]:
         """(K dtype, V dtype) of every layer, with the per-layer overrides applied."""
         if self.layer_dtypes is None:
-            return [(self.k_dtype, self.v_dtype)] * num_layers
-        if len(self.layer_dtypes) != num_layers:
+            pairs = [(self.k_dtype, self.v_dtype)] * num_layers
+        elif len(self.layer_dtypes) != num_layers:
             raise ConfigError(
                 _field("layer_dtypes"),
                 f"<{len(self.layer_dtypes)} entries>",
                 f"exactly one K/V pair per layer: the model has {num_layers} layers",
             )
-        return [tuple(pair.split("/")) for pair in self.layer_dtypes]  # type: ignore[misc]
+        else:
+            pairs = [tuple(pair.split("/")) for pair in self.layer_dtypes]  # type: ignore[misc]
+        edge = min(self.boundary_layers, num_layers // 2)
+        return [
+            BOUNDARY_PAIR if i < edge or i >= num_layers - edge else pair
+            for i, pair in enumerate(pairs)
+        ]
 
     def kv_format(self, dtype: str, auto_dtype: str, keys: bool = False) -> KVFormat:
         """Storage format of a stream whose element dtype is `dtype` (auto -> the model's);
         keys: the stream holds keys (k_scale_axis applies)."""
-        group = None if self.group_size == PER_TENSOR else self.group_size
+        size = self.key_group_size if keys else self.group_size
+        group = None if size == PER_TENSOR else size
         element = auto_dtype if dtype == "auto" else dtype
         if keys and self.k_scale_axis == "channel" and element in QUANTIZED_DTYPES:
             return KVFormat(
@@ -320,12 +388,26 @@ class KVPolicy:
         pairs = self.layer_pairs(arch.num_layers)
         size = arch.cached_vector_size
         # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
-        if isinstance(self.group_size, int) and size % self.group_size:
-            divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
-            allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
-            raise ConfigError(
-                _field("group_size"), self.group_size, f"must divide head_dim={size}: {allowed}"
-            )
+        for name in ("group_size", "k_group_size"):
+            group = getattr(self, name)
+            if isinstance(group, int) and size % group:
+                divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
+                allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
+                raise ConfigError(_field(name), group, f"must divide head_dim={size}: {allowed}")
+        for keys, name, group in (
+            (
+                True,
+                "k_group_size" if self.k_group_size is not None else "group_size",
+                self.key_group_size,
+            ),
+            (False, "group_size", self.group_size),
+        ):
+            streams = {pair[0 if keys else 1] for pair in pairs}
+            whole = sorted(streams & set(WHOLE_VECTOR_DTYPES))
+            if whole and group != size:
+                raise ConfigError(
+                    _field(name), group, f"head_dim={size} with {', '.join(whole)} (whole vectors)"
+                )
         if self.rotation != NO_ROTATION:
             self._check_rotation(arch)
         if arch.is_mla and any(k != v for k, v in pairs):
@@ -343,11 +425,11 @@ class KVPolicy:
                 self.rotation,
                 f"{NO_ROTATION} on an MLA model (it caches one latent, not K and V per head)",
             )
-        if self.rotation == "hadamard" and not is_power_of_two(arch.cached_vector_size):
+        if self.rotation in POWER_OF_TWO_ROTATIONS and not is_power_of_two(arch.cached_vector_size):
             raise ConfigError(
                 _field("rotation"),
                 self.rotation,
-                f"{NO_ROTATION} or vllm_rht (the Hadamard rotation needs a power-of-two "
+                f"{NO_ROTATION} or vllm_rht (the {self.rotation} rotation needs a power-of-two "
                 f"head_dim; the model has head_dim={arch.cached_vector_size})",
             )
 

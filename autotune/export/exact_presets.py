@@ -1,7 +1,8 @@
 """Which engine preset, if any, stores exactly the cache a policy stores.
 
 When a policy's quantized layers all use one engine format (same element dtypes, scale groups,
-scale dtype, no rotation or per-channel keys, no fp16 window, no compression), the export names
+scale dtype and rotation, no per-channel keys, no fp16 window, no compression, and exact
+wherever the engine always keeps layers exact: TurboQuant's boundary layers), the export names
 that engine's --kv-cache-dtype instead of a nearest config: the engine then serves the codes
 kvtune measured. vLLM can keep the policy's exact layers in the model dtype
 (kv-cache-dtype-skip-layers); SGLang has one dtype for every layer. The fp32 per-tensor (global)
@@ -18,7 +19,7 @@ from runtime.arch import ModelArch
 from runtime.policy import KVPolicy
 
 EXACT = ("auto", "fp16", "bf16")
-STORAGE_FIELDS = ("group_size", "scale_dtype", "k_scale_axis", "rotation")
+STORAGE_FIELDS = ("group_size", "key_group_size", "scale_dtype", "k_scale_axis", "rotation")
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ def exact_preset(policy: KVPolicy, arch: ModelArch, engine: str) -> ExactPreset 
     if policy.compressed or policy.recent_unquantized:
         return None
     pairs = policy.layer_pairs(arch.num_layers)
-    skip = tuple(i for i, pair in enumerate(pairs) if all(d in EXACT for d in pair))
+    skip = tuple(sorted(_exact_layers(pairs)))
     quantized = {pair for i, pair in enumerate(pairs) if i not in skip}
     if len(quantized) != 1 or (skip and engine != "vllm"):
         return None
@@ -46,6 +47,13 @@ def exact_preset(policy: KVPolicy, arch: ModelArch, engine: str) -> ExactPreset 
         if not name.startswith(f"{engine}/"):
             continue
         same = all(getattr(policy, f) == getattr(preset, f) for f in STORAGE_FIELDS)
-        if same and quantized == {(preset.k_dtype, preset.v_dtype)}:
+        # vLLM's TurboQuant keeps its boundary layers exact whatever it is told: so must the
+        # policy.
+        kept = _exact_layers(preset.layer_pairs(arch.num_layers))
+        if same and quantized == {(preset.k_dtype, preset.v_dtype)} and kept <= set(skip):
             return ExactPreset(name, skip)
     return None
+
+
+def _exact_layers(pairs: list[tuple[str, str]]) -> set[int]:
+    return {i for i, pair in enumerate(pairs) if all(d in EXACT for d in pair)}

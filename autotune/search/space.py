@@ -38,7 +38,7 @@ from runtime.policy import (
 
 ALL_LAYERS = "all"
 # Precision order for warm starts: the first present is the "uncompressed" choice.
-PRECISION_ORDER = ("auto", "bf16", "fp16", "int8", "fp8", "fp4", "int4", "int2")
+PRECISION_ORDER = ("auto", "bf16", "fp16", "int8", "fp8", "fp4", "int4", "int3", "int2")
 KNOB_NAMES = (
     "group_size",
     "scale_dtype",
@@ -244,7 +244,10 @@ class SearchConfig:
 
 
 def _most_precise(dtypes: Sequence[str]) -> str:
-    return min(dtypes, key=PRECISION_ORDER.index)
+    """The first of PRECISION_ORDER present; dtypes outside it (the engines' own formats) come
+    after, by their place in KV_DTYPES."""
+    order = [*PRECISION_ORDER, *KV_DTYPES]
+    return min(dtypes, key=order.index)
 
 
 @dataclass(frozen=True)

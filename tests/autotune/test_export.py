@@ -300,6 +300,40 @@ def test_a_policy_storing_an_engine_format_exports_that_format_exactly(policy, v
             assert mapping.equivalent.layer_pairs(4) == policy.layer_pairs(4)
 
 
+TURBOQUANT_4BIT = KVPolicy(
+    "lloyd4", "int4_tq", group_size=64, rotation="turboquant", tensor_scale="unit",
+    boundary_layers=2,
+)  # fmt: skip
+DEEP = ModelArch("deep", 8, 4, 2, 64, 1 << 30, 8192)
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"),
+    [
+        (TURBOQUANT_4BIT, "turboquant_4bit_nc"),
+        (TURBOQUANT_4BIT.replace(k_dtype="lloyd3", v_dtype="int3_tq"), "turboquant_3bit_nc"),
+        (TURBOQUANT_4BIT.replace(k_dtype="lloyd3"), "turboquant_k3v4_nc"),
+        (KVPolicy("fp8", "int4_tq", group_size=64, k_group_size="tensor", boundary_layers=3),
+         "turboquant_k8v4"),
+        # vLLM would keep the boundary layers exact: not the policy's cache.
+        (TURBOQUANT_4BIT.replace(boundary_layers=0), None),
+        (TURBOQUANT_4BIT.replace(boundary_layers=1), None),
+        (TURBOQUANT_4BIT.replace(rotation="hadamard"), None),
+        (KVPolicy("fp8", "int4_tq", group_size=64, boundary_layers=2), None),
+    ],
+)  # fmt: skip
+def test_turboquant_needs_its_boundary_layers_exact(policy, expected):
+    mapping = vllm_mapping(policy, DEEP)
+    assert mapping.kv_cache_dtype in VLLM_KV_DTYPES
+    if expected is None:
+        assert mapping.preset is None
+        return
+    edge = policy.boundary_layers
+    assert (mapping.kv_cache_dtype, mapping.preset) == (expected, f"vllm/{expected}")
+    assert mapping.skip_layers == (*range(edge), *range(8 - edge, 8))
+    assert sglang_mapping(policy, DEEP).preset is None
+
+
 def test_vllm_skips_exact_layers_of_an_engine_format_and_sglang_cannot():
     pairs = ("fp16/fp16", "fp8/fp8", "fp8/fp8", "bf16/bf16")
     policy = KVPolicy(layer_dtypes=pairs, group_size=64, scale_dtype="fp32")

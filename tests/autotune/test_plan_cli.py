@@ -142,7 +142,7 @@ def test_table_output_is_readable():
 @pytest.mark.parametrize(
     ("override", "field"),
     [
-        ("policy.k_dtype=int3", "policy.k_dtype"),
+        ("policy.k_dtype=int5", "policy.k_dtype"),
         ("policy.chunk_size=100", "policy.chunk_size"),
         ("policy.k_dtype=fp8 policy.group_size=48", "policy.group_size"),
         ("policy.csa_ratio=3", "policy.csa_ratio"),

@@ -85,7 +85,7 @@ def test_params_are_per_group_dtypes_and_multi_candidate_knobs():
         ({"csa_ratio": [1, 16]}, "search.csa_ratio"),  # > smallest block 8
         ({"csa_window": [64]}, "search.csa_window"),  # < largest block 128 with compression
         ({"group_size": [16, 48]}, "search.group_size"),  # does not divide head_dim 64
-        ({"k_dtype": ["fp16", "int3"]}, "search.k_dtype"),
+        ({"k_dtype": ["fp16", "int5"]}, "search.k_dtype"),
         ({"v_dtype": ["fp16", "int4"]}, "search.v_dtype"),  # with tensor and e4m3 candidates
         ({"rotation": ["none", "givens"]}, "search.rotation"),
         ({"layer_groups": 7}, "search.layer_groups"),

@@ -38,6 +38,11 @@ FORMATS = {
     "int4_g128": KVFormat("int4", 128),
     "int2_g16": KVFormat("int2", 16),
     "int2_g32": KVFormat("int2", 32),
+    "int3_g32": KVFormat("int3", 32),
+    "lloyd4_g64": KVFormat("lloyd4", 64),
+    "lloyd3_g128": KVFormat("lloyd3", 128),
+    "int3_tq_g64": KVFormat("int3_tq", 64),
+    "int4_tq_g32": KVFormat("int4_tq", 32),
 }
 E4M3_NAN = 0x7F
 TOLERANCE = 1e-5
@@ -232,6 +237,9 @@ SHAPES = [
     (96, 2, 2, 16, "int2_g32", "fp4_g32"),
     (128, 2, 4, 16, "fp4_4over6_g16_e4m3", "fp4_4over6_g16_e4m3"),
     (64, 2, 3, 16, "int4_zp_in_scale_g64", "int4_zp_in_scale_g64"),
+    (64, 2, 4, 16, "lloyd4_g64", "int3_tq_g64"),
+    (128, 1, 3, 8, "lloyd3_g128", "int3_g32"),
+    (96, 2, 2, 16, "int3_g32", "int4_tq_g32"),
 ]
 LENGTHS = [0, 1, 37, 150, 8]
 
@@ -263,7 +271,7 @@ def test_stream_attention_matches_reference_and_sdpa(
     "head_dim,num_kv_heads,group,block_size,k_name,v_name,num_splits",
     [
         (*shape, splits)
-        for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16, 3, 7, 2, 4, 3], strict=True)
+        for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16, 3, 7, 2, 4, 3, 5, 2, 3], strict=True)
     ],
 )
 def test_decode_attention_matches_reference_and_sdpa(

@@ -20,6 +20,8 @@ FORMAT_PAIRS = [
     (KVFormat("int4", 32), KVFormat("int2", 16)),
     (KVFormat("int8", 64), KVFormat("fp4", 16, "e4m3")),
     (KVFormat("fp16"), KVFormat("int4", 64)),
+    (KVFormat("lloyd3", 64), KVFormat("int3_tq", 64)),
+    (KVFormat("lloyd4", 64), KVFormat("int3", 16)),
 ]
 
 

@@ -321,3 +321,97 @@ def test_int4_per_token_head_stores_vllms_rotated_codes_and_scale_words(data, he
         restored = unrotate(read_vectors_ref(k_pool, slots), rotation)
         expected = ref.decode_int4_per_token_head(codes, words)
         np.testing.assert_allclose(restored.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+TURBOQUANT = sorted(ref.TURBOQUANT_PRESETS)
+
+
+def turboquant_slots(k_pool: KVPool, v_pool: KVPool, slots: torch.Tensor) -> np.ndarray:
+    """vLLM's slot layout from kvtune's pools: [K codes | K norm | V codes | V scale | V zero]
+    (the fp16 fields as little-endian bytes); kvtune keeps the same bytes in four tensors."""
+    parts = []
+    for pool in (k_pool, v_pool):
+        codes, scales = stored(pool, slots)
+        parts.append(codes)
+        if scales is not None:
+            parts.append(np.ascontiguousarray(scales).view(np.uint8))
+    return np.concatenate(parts, axis=-1)
+
+
+def near_a_boundary(k: np.ndarray, bits: int, tolerance: float = 1e-6) -> np.ndarray:
+    """Per element of k [..., D]: whether its rotated unit coordinate lies within `tolerance`
+    of a decision boundary of the codebook (where rotating before or after normalizing, in
+    fp64 or fp32, may pick either neighbour)."""
+    d = k.shape[-1]
+    k64 = k.astype(np.float64)
+    unit = k64 / (np.sqrt((k64**2).sum(-1, keepdims=True)) + 1e-8)
+    y = unit @ ref.orthonormal_hadamard(d)
+    _, boundaries = ref.lloyd_max_gaussian(d, bits)
+    return (np.abs(y[..., None] - boundaries) < tolerance).any(-1)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the reference decodes inf norms
+@pytest.mark.parametrize("data", sorted(DATA))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("name", TURBOQUANT)
+def test_turboquant_presets_store_vllms_slots(name, head_dim, data):
+    """Keys rotated by the preset's rotation (keys only) and written by the kernel and by the
+    torch reference hold vLLM's slot bytes: Lloyd-Max codes and fp16 norms (or raw E4M3 for
+    k8v4), value codes with fp16 scale and zero, 3-bit codes eight in three bytes. A key code
+    may differ only where the coordinate sits within float rounding of a decision boundary
+    (vLLM normalizes then rotates in fp32; kvtune rotates in fp64, then normalizes); the
+    values are unrotated and equal everywhere. Values read back equal the reference's decode
+    (un-rotated keys to fp32 rounding)."""
+    preset = ref.TURBOQUANT_PRESETS[name]
+    policy = preset_policy(f"vllm/{name}", f"model.head_dim={head_dim}")
+    fmt_k = policy.kv_format(policy.k_dtype, "bf16", keys=True)
+    fmt_v = policy.kv_format(policy.v_dtype, "bf16")
+    rotation = rotation_matrix(policy.rotation, head_dim, layer=5)
+    k, v = DATA[data](0), DATA[data](1)
+    if head_dim != DIM:
+        k, v = (torch.cat((x, x.flip(-1)), dim=-1) for x in (k, v))
+    cached_k = k if rotation is None else rotate(k, rotation)
+    assert rotation is None or not rotation.rotates_values
+    slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=torch.Generator().manual_seed(2))[:TOKENS]
+    expected = ref.encode_turboquant(k.numpy(), v.numpy(), name)
+    key_bytes = ref.turboquant_key_bytes(preset, head_dim)
+    for write in (write_kv, write_kv_ref):
+        k_pool, v_pool = (
+            KVPool.allocate(fmt, NUM_BLOCKS, BLOCK, HEADS, head_dim) for fmt in (fmt_k, fmt_v)
+        )
+        write(cached_k, v, slots, k_pool, v_pool)
+        actual = turboquant_slots(k_pool, v_pool, slots)
+        assert actual.shape == expected.shape  # the four presets need no padding at 64 / 128
+        np.testing.assert_array_equal(actual[..., key_bytes:], expected[..., key_bytes:])
+        if preset.key_bits == 8:
+            np.testing.assert_array_equal(actual[..., :key_bytes], expected[..., :key_bytes])
+            continue
+        np.testing.assert_array_equal(actual[..., key_bytes - 2 :], expected[..., key_bytes - 2 :])
+        codes = [
+            ref.unpack_lsb_first(slot[..., : key_bytes - 2], preset.key_bits, head_dim)
+            for slot in (actual, expected)
+        ]
+        differ = codes[0] != codes[1]
+        assert not (differ & ~near_a_boundary(k.numpy(), preset.key_bits)).any()
+        keys, values = ref.decode_turboquant(actual, name, head_dim)
+        np.testing.assert_array_equal(read_vectors_ref(v_pool, slots).numpy(), values)
+        restored = unrotate(read_vectors_ref(k_pool, slots), rotation)
+        finite = np.isfinite(keys)
+        np.testing.assert_allclose(restored.numpy()[finite], keys[finite], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", TURBOQUANT)
+def test_turboquant_preset_bytes_and_boundary_layers_follow_vllm(name):
+    for head_dim in (64, 128):
+        policy = preset_policy(f"vllm/{name}", f"model.head_dim={head_dim}")
+        fmt_k = policy.kv_format(policy.k_dtype, "bf16", keys=True)
+        fmt_v = policy.kv_format(policy.v_dtype, "bf16")
+        expected = ref.kv_bytes_per_token_head("vllm", name, head_dim)
+        assert fmt_k.vector_bytes(head_dim) + fmt_v.vector_bytes(head_dim) == expected
+        assert fmt_k.block_bytes(head_dim, BLOCK) + fmt_v.block_bytes(head_dim, BLOCK) == (
+            BLOCK * expected
+        )
+    for num_layers in (1, 3, 4, 30, 32):
+        pairs = preset_policy(f"vllm/{name}").layer_pairs(num_layers)
+        kept = [i for i, pair in enumerate(pairs) if pair == ("fp16", "fp16")]
+        assert kept == ref.turboquant_skip_layers(num_layers)

@@ -52,8 +52,8 @@ def test_incompatible_head_dim_is_refused(fmt, head_dim, match):
 
 
 def test_unknown_dtypes_are_refused():
-    with pytest.raises(ValueError, match="dtype='int3'"):
-        KVFormat("int3", 32)
+    with pytest.raises(ValueError, match="dtype='int5'"):
+        KVFormat("int5", 32)
     with pytest.raises(ValueError, match="scale_dtype='fp64'"):
         KVFormat("fp8", 32, "fp64")
 

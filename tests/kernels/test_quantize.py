@@ -298,6 +298,9 @@ def compile_kernels_for_cuda() -> None:
         KVFormat("int2", 16),
         KVFormat("fp4_4over6", 16, "e4m3"),
         KVFormat("int4_zp_in_scale", 32, "fp32"),
+        KVFormat("int3", 32),
+        KVFormat("int3_tq", 32),
+        KVFormat("lloyd4", 128),
     ):
         pointers = {
             "x_ptr": "*bf16",
@@ -306,8 +309,10 @@ def compile_kernels_for_cuda() -> None:
             "scales_ptr": SCALE_POINTERS[fmt.scale_dtype],
             "tensor_scale_ptr": "*fp32",
         }
+        # Lloyd-Max codes cover one whole vector: a power-of-two head_dim.
+        shape = {**tile, "HEAD_DIM": 128} if fmt.dtype.startswith("lloyd") else tile
         for kernel in (quantize_module._quantize_kernel, quantize_module._dequantize_kernel):
-            _compile_for_sm90(kernel, pointers, {**tile, **format_switches(fmt)})
+            _compile_for_sm90(kernel, pointers, {**shape, **format_switches(fmt)})
     first, second = KVFormat("fp4", 16, "e4m3"), KVFormat("fp8", 32)
     pool_pointers = {"codes_ptr": "*u8", "tensor_scale_ptr": "*fp32"}
     pointers = {
@@ -388,6 +393,14 @@ def compile_attention_for_cuda() -> None:
     word_pointers = {**pointers, "k_scales_ptr": "*fp32", "v_scales_ptr": "*fp32"}
     constexprs = {**shape, "CAUSAL": False, "MASKED": False, **word_switches, **tiles}
     _compile_for_sm90(attention._stream_attention_kernel, word_pointers, constexprs)
+    # vLLM TurboQuant's codes: Lloyd-Max keys (fp64 norms) and 3-bit values across bytes.
+    turbo_switches = {
+        **format_switches(KVFormat("lloyd3", 128), "K_"),
+        **format_switches(KVFormat("int3_tq", 128), "V_"),
+    }
+    turbo_pointers = {**pointers, "k_scales_ptr": "*fp16"}
+    constexprs = {**shape, "CAUSAL": False, "MASKED": False, **turbo_switches, **tiles}
+    _compile_for_sm90(attention._stream_attention_kernel, turbo_pointers, constexprs)
     merge_pointers = {
         name: "*fp32" for name in ("parts_out_ptr", "parts_lse_ptr", "out_ptr", "lse_ptr")
     }

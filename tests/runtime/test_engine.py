@@ -265,7 +265,7 @@ def test_triton_backend_agrees_with_torch(tiny_llama, policy):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"policy": {"k_dtype": "int3"}}, "policy.k_dtype"),
+        ({"policy": {"k_dtype": "int5"}}, "policy.k_dtype"),
         ({"policy": {"k_dtype": "fp8", "group_size": 12}}, "policy.group_size"),
         ({"backend": "cuda-graphs"}, "backend"),
         ({"kv_budget_bytes": 1000}, "kv_budget_bytes"),

@@ -26,15 +26,15 @@ TINY_HEAD_DIM = 32  # tests/runtime/conftest.py
 
 
 def tiny_preset(name: str) -> KVPolicy:
-    """The preset as Hydra composes it, on small blocks; a one-scale-per-vector preset (fp32
-    scales, group_size = model.head_dim) gets the tiny model's head_dim, which no conf/model
-    preset has."""
+    """The preset as Hydra composes it for the tiny model's head_dim (a one-group-per-vector
+    preset takes group_size = model.head_dim), on small blocks. The two-layer model would keep
+    both layers exact under TurboQuant's boundary layers, so they are turned off here to run
+    its codes (test_turboquant_boundary_layers_stay_exact covers them)."""
+    overrides = [f"policy={name}", f"model.head_dim={TINY_HEAD_DIM}"]
     with initialize_config_dir(str(CONF), version_base=None):
-        cfg = compose("plan", overrides=[f"policy={name}"])
-    policy = KVPolicy.from_dict(dict(cfg.policy)).replace(block_size=8, chunk_size=16)
-    if policy.scale_dtype == "fp32":
-        policy = policy.replace(group_size=TINY_HEAD_DIM)
-    return policy
+        cfg = compose("plan", overrides=overrides)
+    policy = KVPolicy.from_dict(dict(cfg.policy))
+    return policy.replace(block_size=8, chunk_size=16, boundary_layers=0)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -56,3 +56,14 @@ def test_preset_runs_alike_on_both_backends_with_unit_tensor_scales(tiny_llama, 
         for seq in engine.scheduler.running:
             held = engine._held_bytes(engine.scheduler.kv[seq.seq_id])
             assert held == kv_bytes_per_sequence(triton.arch, policy, seq.num_cached)
+
+
+def test_turboquant_boundary_layers_stay_exact(tiny_llama):
+    """vLLM keeps the first and last min(2, L // 2) layers in the model dtype: on the two-layer
+    model both layers hold fp16 and the logits are the fp16 cache's."""
+    policy = tiny_preset("vllm/turboquant_3bit_nc").replace(boundary_layers=2)
+    tokens = random_tokens(40, seed=3)
+    cache = LLM(str(tiny_llama), policy=policy, max_model_len=64)
+    fp16 = LLM(str(tiny_llama), policy=KVPolicy("fp16", "fp16"), max_model_len=64)
+    assert all(layer.k[MAIN].fmt.dtype == "fp16" for layer in cache.engine.cache.layers)
+    assert relative_error(cache.prompt_logits(tokens), fp16.prompt_logits(tokens)) < 1e-6

@@ -28,33 +28,51 @@ class _RotatedFakeQuantAttention:
     """Dense causal attention over K, V -> x R -> quantize-dequantize -> x R^T / gain, per
     layer (R R^T = gain I)."""
 
-    def __init__(self, llm: LLM, num_tokens: int) -> None:
+    def __init__(self, llm: LLM, num_tokens: int, rotates_values: bool) -> None:
         self.dense = DenseCausalAttention([num_tokens])
         self.formats = layer_formats(llm.arch, llm.policy)
         self.head_dim = llm.arch.head_dim
         self.rotation = llm.policy.rotation
+        self.rotates_values = rotates_values
 
     def __call__(self, layer: int, q, k, v):
         rotation = rotation_matrix(self.rotation, self.head_dim, layer)
         matrix, gain = rotation.matrix.double(), rotation.gain
         formats = self.formats[layer]
         k = _round_trip((k.double() @ matrix).float(), formats.k).double() @ matrix.T / gain
-        v = _round_trip((v.double() @ matrix).float(), formats.v).double() @ matrix.T / gain
+        if self.rotates_values:
+            v = _round_trip((v.double() @ matrix).float(), formats.v).double() @ matrix.T / gain
+        else:
+            v = _round_trip(v, formats.v)
         return self.dense(layer, q, k.float(), v.float())
 
 
-@pytest.mark.parametrize("rotation", ["hadamard", "vllm_rht"])
-def test_rotated_cache_equals_dense_attention_over_rotated_round_trips(tiny_llama, rotation):
+# TurboQuant rotates keys only, with Lloyd-Max key codes over whole vectors (head_dim 32).
+TURBOQUANT = ROTATED.replace(k_dtype="lloyd4", v_dtype="int3_tq", group_size=32)
+
+
+@pytest.mark.parametrize(
+    ("policy", "rotates_values"),
+    [
+        (ROTATED.replace(rotation="hadamard"), True),
+        (ROTATED.replace(rotation="vllm_rht"), True),
+        (TURBOQUANT.replace(rotation="turboquant"), False),
+    ],
+    ids=["hadamard", "vllm_rht", "turboquant"],
+)
+def test_rotated_cache_equals_dense_attention_over_rotated_round_trips(
+    tiny_llama, policy, rotates_values
+):
     tokens = random_tokens(40, seed=5)
-    llm = LLM(str(tiny_llama), policy=ROTATED.replace(rotation=rotation), max_model_len=64)
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
     logits = llm.prompt_logits(tokens)
-    oracle = _RotatedFakeQuantAttention(llm, len(tokens))
+    oracle = _RotatedFakeQuantAttention(llm, len(tokens), rotates_values)
     ids = torch.tensor(tokens)
     with torch.no_grad():
         hidden = llm.model.forward(ids, torch.arange(len(tokens)), oracle)
         expected = llm.model.logits(hidden)
     assert relative_error(logits, expected) < 1e-4
-    unrotated = LLM(str(tiny_llama), policy=ROTATED.replace(rotation="none"), max_model_len=64)
+    unrotated = LLM(str(tiny_llama), policy=policy.replace(rotation="none"), max_model_len=64)
     assert relative_error(unrotated.prompt_logits(tokens), expected) > 1e-3
 
 
@@ -66,9 +84,12 @@ def test_rotation_matrices_are_built_once_and_only_for_quantized_layers(tiny_lla
     assert torch.equal(cache.rotations[1].matrix, rotation_matrix("hadamard", 32, 1).matrix)
 
 
-def test_triton_backend_agrees_with_torch_on_a_rotated_compressed_cache(tiny_llama):
-    """Rotated values in the fp16 recent pool, demoted and pooled into int summaries."""
-    policy = ROTATED.replace(recent_unquantized=8, csa_ratio=2, csa_window=16, csa_sinks=4)
+@pytest.mark.parametrize(
+    "rotated", [ROTATED, TURBOQUANT.replace(rotation="turboquant")], ids=["hadamard", "turboquant"]
+)
+def test_triton_backend_agrees_with_torch_on_a_rotated_compressed_cache(tiny_llama, rotated):
+    """Rotated vectors in the fp16 recent pool, demoted and pooled into quantized summaries."""
+    policy = rotated.replace(recent_unquantized=8, csa_ratio=2, csa_window=16, csa_sinks=4)
     tokens = random_tokens(40, seed=3)
     reference = LLM(str(tiny_llama), policy=policy, max_model_len=64)
     triton = LLM(str(tiny_llama), policy=policy, backend="triton", max_model_len=64)

@@ -18,7 +18,7 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"k_dtype": "int3"}, "policy.k_dtype"),
+        ({"k_dtype": "int5"}, "policy.k_dtype"),
         ({"v_dtype": "fp6"}, "policy.v_dtype"),
         ({"layer_dtypes": ["fp8/fp4", "fp8"]}, "policy.layer_dtypes[1]"),
         ({"layer_dtypes": ["fp8/int16"]}, "policy.layer_dtypes[0]"),
@@ -41,6 +41,13 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
         ({"block_size": True}, "policy.block_size"),
         ({"chunk_size": 100}, "policy.chunk_size"),
         ({"chunk_size": 0}, "policy.chunk_size"),
+        ({"k_group_size": 0}, "policy.k_group_size"),
+        ({"k_dtype": "int3", "k_group_size": "tensor"}, "policy.k_group_size"),
+        ({"v_dtype": "int3_tq", "group_size": "tensor", "k_group_size": 64}, "policy.group_size"),
+        ({"k_dtype": "lloyd4", "scale_dtype": "e4m3"}, "policy.scale_dtype"),
+        ({"k_dtype": "lloyd3", "k_scale_axis": "channel"}, "policy.k_scale_axis"),
+        ({"boundary_layers": -1}, "policy.boundary_layers"),
+        ({"boundary_layers": True}, "policy.boundary_layers"),
     ],
 )
 def test_invalid_field_is_named_with_value_and_allowed(changes, field):
@@ -89,6 +96,37 @@ def test_rotation_needs_a_power_of_two_head_dim_and_per_head_vectors():
     KVPolicy(k_dtype="int4", rotation="none").check_model(odd)
     with pytest.raises(ConfigError, match=r"policy.rotation='hadamard' .*latent"):
         KVPolicy(k_dtype="fp8", v_dtype="fp8", group_size=64, rotation="hadamard").check_model(MLA)
+
+
+def test_whole_vector_codes_need_head_dim_groups_for_their_stream():
+    KVPolicy(k_dtype="lloyd4", v_dtype="int4_tq", group_size=64).check_model(SMOL)
+    KVPolicy(k_dtype="lloyd3", v_dtype="int4", group_size=32, k_group_size=64).check_model(SMOL)
+    with pytest.raises(ConfigError, match=r"policy.k_group_size=32 .*head_dim=64 with lloyd3"):
+        KVPolicy(k_dtype="lloyd3", group_size=64, k_group_size=32).check_model(SMOL)
+    with pytest.raises(ConfigError, match=r"policy.group_size=32 .*head_dim=64 with lloyd4"):
+        KVPolicy(v_dtype="lloyd4", group_size=32).check_model(SMOL)
+    with pytest.raises(ConfigError, match=r"policy.k_group_size=48 .*must divide head_dim=64"):
+        KVPolicy(k_group_size=48).check_model(SMOL)
+
+
+def test_keys_may_group_apart_from_values():
+    policy = KVPolicy(k_dtype="fp8", v_dtype="int4_tq", group_size=64, k_group_size="tensor")
+    assert policy.kv_format("fp8", "bf16", keys=True) == KVFormat("fp8", None)
+    assert policy.kv_format("int4_tq", "bf16") == KVFormat("int4_tq", 64)
+    assert KVPolicy(group_size=16).key_group_size == 16
+
+
+def test_boundary_layers_keep_fp16_at_both_ends_at_most_half_the_model():
+    policy = KVPolicy(k_dtype="int4", v_dtype="int4", boundary_layers=2)
+    int4 = ("int4", "int4")
+    assert policy.layer_pairs(6) == [("fp16", "fp16")] * 2 + [int4] * 2 + [("fp16", "fp16")] * 2
+    assert policy.layer_pairs(3) == [("fp16", "fp16"), int4, ("fp16", "fp16")]
+    assert policy.replace(boundary_layers=9).layer_pairs(4) == [("fp16", "fp16")] * 4
+    overridden = policy.replace(layer_dtypes=("fp8/fp4",) * 5)
+    assert (
+        overridden.layer_pairs(5)
+        == [("fp16", "fp16")] * 2 + [("fp8", "fp4")] + [("fp16", "fp16")] * 2
+    )
 
 
 @pytest.mark.parametrize(
