@@ -197,36 +197,7 @@ _BY_CODE = {element.code: element for element in ELEMENT_FORMATS.values()}
 
 
 @triton.constexpr_function
-def code_bits(code):
-    """Bits of one code of the element format with this CODE (a Triton constexpr)."""
-    return _BY_CODE[code].bits
-
-
-@triton.constexpr_function
-def code_max(code):
-    """max_code of the element format with this CODE (a Triton constexpr)."""
-    return _BY_CODE[code].max_code
-
-
-@triton.constexpr_function
-def code_alt_max(code):
-    """alt_max_code of the element format with this CODE (a Triton constexpr; 0 for none)."""
-    return _BY_CODE[code].alt_max_code
-
-
-@triton.constexpr_function
-def code_chunk(code):
-    """Codes that fill whole bytes for the element format with this CODE (a Triton constexpr)."""
-    return _BY_CODE[code].chunk
-
-
-@triton.constexpr_function
-def code_family(code):
-    """Family CODE of the element format with this CODE (a Triton constexpr)."""
-    return _BY_CODE[code].family
-
-
-@triton.constexpr_function
-def code_zero_point(code):
-    """Whether the element format with this CODE stores a zero point (a Triton constexpr)."""
-    return _BY_CODE[code].zero_point
+def code_property(code, name):
+    """Attribute `name` (bits, max_code, alt_max_code, chunk, family, zero_point) of the element
+    format with this CODE, as a Triton constexpr."""
+    return getattr(_BY_CODE[code], name)

@@ -67,14 +67,7 @@ import triton
 import triton.language as tl
 
 from kernels import element_formats
-from kernels.element_formats import (
-    code_alt_max,
-    code_bits,
-    code_chunk,
-    code_family,
-    code_max,
-    code_zero_point,
-)
+from kernels.element_formats import code_property
 from kernels.fp_codes import (
     decode_e2m1,
     decode_e2m1_ref,
@@ -201,8 +194,8 @@ def load_dequant_tile(
         offsets = vectors[:, None] * HEAD_DIM + dims[None, :]
         values = tl.load(codes_ptr + offsets, mask=dmask, other=0.0).to(tl.float32)
     else:
-        BITS: tl.constexpr = code_bits(CODE)
-        FAMILY: tl.constexpr = code_family(CODE)
+        BITS: tl.constexpr = code_property(CODE, "bits")
+        FAMILY: tl.constexpr = code_property(CODE, "family")
         # Element i starts at bit i * BITS of the vector's little-endian bit stream.
         bits = dims[None, :] * BITS
         offsets = vectors[:, None] * (HEAD_DIM * BITS // 8) + bits // 8
@@ -226,7 +219,7 @@ def load_dequant_tile(
         else:
             values = codes.to(tl.float32)
         if GROUP_SIZE > 0:
-            ZERO_POINT: tl.constexpr = code_zero_point(CODE)
+            ZERO_POINT: tl.constexpr = code_property(CODE, "zero_point")
             NUM_GROUPS: tl.constexpr = HEAD_DIM // GROUP_SIZE
             PARAMS: tl.constexpr = 2 if ZERO_POINT else 1
             scale_rows = (rows.to(tl.int64) // TOKEN_GROUP) * NUM_HEADS + head
@@ -302,10 +295,10 @@ def _group_parameters(
     points for asymmetric CODEs; return scales and zero points (0 when symmetric) as fp32
     [R, G]. A CODE with a second scale candidate (E2M1 4over6) keeps, per group, the one with
     the smaller squared error (the first on a tie)."""
-    ZERO_POINT: tl.constexpr = code_zero_point(CODE)
-    FAMILY: tl.constexpr = code_family(CODE)
-    MAX_CODE: tl.constexpr = code_max(CODE)
-    ALT_MAX_CODE: tl.constexpr = code_alt_max(CODE)
+    ZERO_POINT: tl.constexpr = code_property(CODE, "zero_point")
+    FAMILY: tl.constexpr = code_property(CODE, "family")
+    MAX_CODE: tl.constexpr = code_property(CODE, "max_code")
+    ALT_MAX_CODE: tl.constexpr = code_property(CODE, "alt_max_code")
     BLOCK_R: tl.constexpr = scaled.shape[0]
     NUM_GROUPS: tl.constexpr = scaled.shape[1] // GROUP_SIZE
     grouped = tl.reshape(scaled, (BLOCK_R, NUM_GROUPS, GROUP_SIZE))
@@ -362,8 +355,8 @@ def _store_codes(
     """Encode a tile [R, BLOCK_D] already in code units and store it, packed, at vectors."""
     BLOCK_R: tl.constexpr = scaled.shape[0]
     BLOCK_D: tl.constexpr = scaled.shape[1]
-    BITS: tl.constexpr = code_bits(CODE)
-    FAMILY: tl.constexpr = code_family(CODE)
+    BITS: tl.constexpr = code_property(CODE, "bits")
+    FAMILY: tl.constexpr = code_property(CODE, "family")
     if CODE == CODE_E4M3:
         codes = encode_e4m3(scaled).to(tl.int32)
     elif CODE == CODE_E2M1 or CODE == CODE_E2M1_4OVER6:  # noqa: SIM109 (constexprs)
@@ -382,7 +375,7 @@ def _store_codes(
         codes = encode_uint(scaled, BITS)
     # CHUNK codes fill CHUNK_BYTES whole bytes; code j of a chunk goes to bit j * BITS of its
     # little-endian word (disjoint bit fields: their sum is their bitwise or).
-    CHUNK: tl.constexpr = code_chunk(CODE)
+    CHUNK: tl.constexpr = code_property(CODE, "chunk")
     CHUNK_BYTES: tl.constexpr = CHUNK * BITS // 8
     if CHUNK > 1:
         shifts = tl.arange(0, CHUNK) * BITS
@@ -403,7 +396,7 @@ def _to_code_units(grouped, scale, zero, CODE: tl.constexpr, RECIPROCAL: tl.cons
     zero-in-scale int4 codes; grouped [..., G, n] with scale and zero broadcastable to it."""
     if CODE == CODE_INT4_ZERO_IN_SCALE:
         return zero_in_scale_units(grouped, scale, zero)
-    if code_zero_point(CODE):
+    if code_property(CODE, "zero_point"):
         grouped = grouped - zero
     divisor = tl.where(scale == 0.0, 1.0, scale)
     if RECIPROCAL:

@@ -242,6 +242,7 @@ SHAPES = [
     (96, 2, 2, 16, "int3_g32", "int4_tq_g32"),
 ]
 LENGTHS = [0, 1, 37, 150, 8]
+SPLITS = [1, 3, 8, 2, 5, 4, 16, 3, 7, 2, 4, 3, 5, 2, 3]  # decode splits, one per shape
 
 
 @pytest.mark.parametrize("head_dim,num_kv_heads,group,block_size,k_name,v_name", SHAPES)
@@ -269,10 +270,7 @@ def test_stream_attention_matches_reference_and_sdpa(
 
 @pytest.mark.parametrize(
     "head_dim,num_kv_heads,group,block_size,k_name,v_name,num_splits",
-    [
-        (*shape, splits)
-        for shape, splits in zip(SHAPES, [1, 3, 8, 2, 5, 4, 16, 3, 7, 2, 4, 3, 5, 2, 3], strict=True)
-    ],
+    [(*shape, splits) for shape, splits in zip(SHAPES, SPLITS, strict=True)],
 )
 def test_decode_attention_matches_reference_and_sdpa(
     head_dim, num_kv_heads, group, block_size, k_name, v_name, num_splits

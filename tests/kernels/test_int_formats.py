@@ -1,5 +1,5 @@
-"""Asymmetric uniform integer formats (int8, int4, int3, int2): Triton vs torch reference bit for bit,
-and both vs a numpy re-implementation of the format's definition (nearest grid point by
+"""Asymmetric uniform integer formats (int8, int4, int3, int2): Triton vs torch reference bit for
+bit, and both vs a numpy re-implementation of the format's definition (nearest grid point by
 exhaustive search, ties to the even code; scale and zero point per group in fp16; codes packed
 little end first in one bit stream per vector)."""
 

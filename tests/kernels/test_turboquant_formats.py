@@ -1,6 +1,7 @@
 """vLLM TurboQuant's element formats as kvtune formats: lloyd4 / lloyd3 (Lloyd-Max levels of the
-unit vector, fp16 norm, norm-corrected reads; kvtune adds lloyd2) and int4_tq / int3_tq (values coded from the fp32
-range, halves up, fp16 scale and zero point). Triton vs torch reference bit for bit, and both
+unit vector, fp16 norm, norm-corrected reads; kvtune adds lloyd2) and int4_tq / int3_tq (values
+coded from the fp32 range, halves up, fp16 scale and zero point). Triton vs torch reference bit
+for bit, and both
 against the definitions re-implemented here in numpy, with the codebook from the independent
 solver of tests/kernels/engine_formats_ref.py."""
 
