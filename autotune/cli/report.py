@@ -101,6 +101,8 @@ def policy_label(record: TrialRecord, num_layers: int) -> str:
     parts = [f"{kind} x{pairs.count(kind)}" for kind in kinds]
     if any(d in QUANTIZED_DTYPES for pair in pairs for d in pair.split("/")):
         parts.append(f"g{policy.group_size}/{policy.scale_dtype}")
+        if policy.k_group_size is not None:
+            parts.append(f"K-g{policy.k_group_size}")
         if policy.k_scale_axis != "token":
             parts.append(f"K-{policy.k_scale_axis}")
         if policy.recent_unquantized:

@@ -20,6 +20,14 @@ def plan_json(plan: CapacityPlan) -> str:
 def _policy_label(row: CapacityRow) -> str:
     p = row.policy
     scales = "" if p.k_dtype in ("auto", "fp16", "bf16") else f" g={p.group_size}/{p.scale_dtype}"
+    if scales and p.k_group_size is not None:
+        scales += f" K g={p.k_group_size}"
+    if p.k_scale_axis != "token":
+        scales += f" K per {p.k_scale_axis}"
+    if p.rotation != "none":
+        scales += f" {p.rotation}"
+    if p.boundary_layers:
+        scales += f" first/last {p.boundary_layers} layers fp16"
     csa = f" csa={p.csa_ratio} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
     if p.selects:
         csa += f" top{p.csa_topk} from host"
