@@ -21,6 +21,7 @@ from rich.console import Console
 from autotune.cache import JsonCache, default_cache_folder
 from autotune.config.engine_presets import engine_presets
 from autotune.evaluation import load_suite
+from autotune.search.sensitivity import RuntimeSettings, layer_sensitivity
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.tables import print_rows
 from runtime.arch import ModelArch, arch_from_folder
@@ -96,7 +97,38 @@ POLICIES: dict[str, KVPolicy] = {
     "K int4 channel b32 / V lloyd2 rotated": KVPolicy(
         "int4", "lloyd2", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32
     ),
+    "K int4 channel b64 / V int3 g64 rotated": KVPolicy(
+        "int4", "int3", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=64
+    ),
 }
+
+
+# About 3.5 bits a value with mixed value codes: keys as above, values in 3-bit Lloyd-Max codes in
+# the layers whose values cost most in fp4 (the tuner's cached sensitivity profile), 2-bit ones
+# in the rest.
+VALUE_SENSITIVE_MIX = "K int4 channel b64 / V lloyd3 in {n} V-sensitive layers, lloyd2 rotated"
+
+
+def value_sensitive_mix(model: str, arch: ModelArch, upgraded: int) -> KVPolicy:
+    """The VALUE_SENSITIVE_MIX policy with `upgraded` layers of 3-bit values."""
+    folder = resolve_model(model)
+    cache = JsonCache(default_cache_folder("sensitivity"))
+    profile = layer_sensitivity(model, folder, arch, RuntimeSettings(), cache)
+    ranked = sorted(range(arch.num_layers), key=lambda i: profile.v_kl[i], reverse=True)
+    upgraded_layers = set(ranked[:upgraded])
+    pairs = [
+        "int4/lloyd3" if layer in upgraded_layers else "int4/lloyd2"
+        for layer in range(arch.num_layers)
+    ]
+    return KVPolicy(
+        "int4",
+        "lloyd2",
+        layer_dtypes=tuple(pairs),
+        group_size=64,
+        k_scale_axis="channel",
+        rotation="hadamard",
+        block_size=64,
+    )
 
 
 def bytes_ratio(arch: ModelArch, policy: KVPolicy, tokens: int) -> float:
@@ -123,12 +155,16 @@ def main() -> None:
     seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
     heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
     arch = arch_from_folder(resolve_model(cheap.model))
-    known = {**POLICIES, **engine_presets(arch.head_dim)}
+    mixes = {VALUE_SENSITIVE_MIX.format(n=n): n for n in (4, 8, 12)}
+    known = {**POLICIES, **engine_presets(arch.head_dim), **dict.fromkeys(mixes)}
     names = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in names if name not in known]
     if unknown:
         parser.error(f"--policies {unknown[0]!r}: one of {', '.join(known)}")
-    candidates = {name: known[name] for name in names}
+    candidates = {
+        name: value_sensitive_mix(cheap.model, arch, mixes[name]) if name in mixes else known[name]
+        for name in names
+    }
     if args.presets:
         candidates.update(engine_presets(arch.head_dim))
     console = Console()
