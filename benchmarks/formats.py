@@ -106,7 +106,7 @@ POLICIES: dict[str, KVPolicy] = {
 # About 3.5 bits a value with mixed value codes: keys as above, values in 3-bit Lloyd-Max codes in
 # the layers whose values cost most in fp4 (the tuner's cached sensitivity profile), 2-bit ones
 # in the rest.
-VALUE_SENSITIVE_MIX = "K int4 channel b64 / V lloyd3 in {n} V-sensitive layers, lloyd2 rotated"
+VALUE_SENSITIVE_MIX = "K int4 channel b64 / V lloyd3 in {n} V-sensitive layers + lloyd2 rotated"
 
 
 def value_sensitive_mix(model: str, arch: ModelArch, upgraded: int) -> KVPolicy:
