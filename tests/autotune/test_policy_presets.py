@@ -15,7 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from autotune.config.settings import build_policy
-from tests.kernels.engine_formats_ref import kv_bytes_per_token_head
+from tests.kernels.engine_formats_ref import kv_bytes_per_token_head, vllm_layer_kv_dtype
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
@@ -43,7 +43,7 @@ def json_objects(text: str) -> list[dict]:
 @pytest.mark.parametrize("model", ["smollm2-135m", "llama-3.1-8b"])
 def test_plan_reports_the_engines_bytes_per_token(model, tmp_path):
     """One `kvtune plan -m` over every preset: head_dim 64 and 128 (the per-vector presets
-    follow the model's head_dim)."""
+    follow the model's head_dim), TurboQuant's first and last 2 layers at 16 bits."""
     result = subprocess.run(
         [*KVTUNE, "plan", "-m", f"policy={','.join(PRESETS)}", f"model={model}", "format=json"],
         capture_output=True,
@@ -57,8 +57,15 @@ def test_plan_reports_the_engines_bytes_per_token(model, tmp_path):
     arch = yaml.safe_load((CONF / "model" / f"{model}.yaml").read_text())
     for preset, plan in zip(PRESETS, plans, strict=True):
         engine, dtype = preset.split("/")
-        per_token_head = kv_bytes_per_token_head(engine, dtype, arch["head_dim"])
-        expected = arch["num_layers"] * arch["num_kv_heads"] * per_token_head
+        layers = arch["num_layers"]
+        # vLLM keeps TurboQuant's boundary layers in the (16-bit) model dtype.
+        layer_dtypes = [
+            vllm_layer_kv_dtype(i, dtype, layers) if engine == "vllm" else dtype
+            for i in range(layers)
+        ]
+        expected = arch["num_kv_heads"] * sum(
+            kv_bytes_per_token_head(engine, d, arch["head_dim"]) for d in layer_dtypes
+        )
         assert plan["kv_bytes_per_token"] == expected, preset
         assert plan["policy"]["tensor_scale"] == "unit"
 
@@ -74,4 +81,6 @@ def test_presets_compose_for_plan_and_evaluate(config, preset):
     policy = build_policy(cfg.policy)
     assert policy.block_size == 32
     assert policy.tensor_scale == "unit"
-    assert policy.k_dtype == policy.v_dtype != build_policy(default.policy).k_dtype
+    named = yaml.safe_load((CONF / "policy" / f"{preset}.yaml").read_text())
+    assert (policy.k_dtype, policy.v_dtype) == (named["k_dtype"], named["v_dtype"])
+    assert policy.k_dtype != build_policy(default.policy).k_dtype
