@@ -36,6 +36,7 @@ POLICIES: dict[str, KVPolicy] = {
     "fp8 g32": KVPolicy("fp8", "fp8"),
     "K fp8 / V fp4 g32": KVPolicy("fp8", "fp4"),
     "int8 g32": KVPolicy("int8", "int8"),
+    "int8 g64": KVPolicy("int8", "int8", group_size=64),
     "fp4 g16 e4m3": KVPolicy("fp4", "fp4", group_size=16, scale_dtype="e4m3"),
     "fp4 g16 e4m3 rotated": KVPolicy(
         "fp4", "fp4", group_size=16, scale_dtype="e4m3", rotation="hadamard"
