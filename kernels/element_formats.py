@@ -99,28 +99,18 @@ class ElementFormat:
         return self.code if self.code < CODE_UINT else self.code - self.bits
 
 
-def _uint_format(bits: int) -> ElementFormat:
-    """Asymmetric uniform format with `bits`-bit unsigned codes (see `kernels.int_codes`)."""
+def _uint_format(bits: int, half_up: bool = False) -> ElementFormat:
+    """Asymmetric uniform format with `bits`-bit unsigned codes (see `kernels.int_codes`);
+    half_up: vLLM TurboQuant's value codes (fp32 range, halves up, fp16 scale and zero)."""
+    encode_units = encode_uint_half_up_ref if half_up else encode_uint_ref
     return ElementFormat(
         bits=bits,
-        code=CODE_UINT + bits,
+        code=(CODE_UINT_HALF_UP if half_up else CODE_UINT) + bits,
         max_code=float(2**bits - 1),
         zero_point=True,
-        encode=lambda u: pack_codes_ref(encode_uint_ref(u, bits), bits),
+        encode=lambda u: pack_codes_ref(encode_units(u, bits), bits),
         decode=lambda packed: unpack_codes_ref(packed, bits).float(),
-    )
-
-
-def _uint_half_up_format(bits: int) -> ElementFormat:
-    """vLLM TurboQuant's value codes: asymmetric, `bits`-bit codes, fp16 scale and zero point."""
-    return ElementFormat(
-        bits=bits,
-        code=CODE_UINT_HALF_UP + bits,
-        max_code=float(2**bits - 1),
-        zero_point=True,
-        encode=lambda u: pack_codes_ref(encode_uint_half_up_ref(u, bits), bits),
-        decode=lambda packed: unpack_codes_ref(packed, bits).float(),
-        scale_dtype="fp16",
+        scale_dtype="fp16" if half_up else None,
     )
 
 
@@ -187,8 +177,8 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
     "int4": _uint_format(4),
     "int3": _uint_format(3),
     "int2": _uint_format(2),
-    "int4_tq": _uint_half_up_format(4),
-    "int3_tq": _uint_half_up_format(3),
+    "int4_tq": _uint_format(4, half_up=True),
+    "int3_tq": _uint_format(3, half_up=True),
     "lloyd4": _lloyd_format(4),
     "lloyd3": _lloyd_format(3),
     "lloyd2": _lloyd_format(2),

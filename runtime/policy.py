@@ -226,6 +226,11 @@ class KVPolicy:
             )
 
     @property
+    def _key_group_field(self) -> str:
+        """The field that sets the keys' group size, for error messages."""
+        return "group_size" if self.k_group_size is None else "k_group_size"
+
+    @property
     def key_group_size(self) -> int | str:
         """The keys' group_size (k_group_size, or group_size when that is null)."""
         return self.group_size if self.k_group_size is None else self.k_group_size
@@ -240,11 +245,7 @@ class KVPolicy:
         grouped_keys = set() if self.k_scale_axis == "channel" else keys
         for name, group, dtypes in (
             ("group_size", self.group_size, values),
-            (
-                "k_group_size" if self.k_group_size is not None else "group_size",
-                self.key_group_size,
-                grouped_keys,
-            ),
+            (self._key_group_field, self.key_group_size, grouped_keys),
         ):
             needing = sorted(dtypes & set(GROUPED_DTYPES))
             if group == PER_TENSOR and needing:
@@ -394,15 +395,11 @@ class KVPolicy:
                 divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
                 allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
                 raise ConfigError(_field(name), group, f"must divide head_dim={size}: {allowed}")
-        for keys, name, group in (
-            (
-                True,
-                "k_group_size" if self.k_group_size is not None else "group_size",
-                self.key_group_size,
-            ),
-            (False, "group_size", self.group_size),
+        for stream, name, group in (
+            (0, self._key_group_field, self.key_group_size),
+            (1, "group_size", self.group_size),
         ):
-            streams = {pair[0 if keys else 1] for pair in pairs}
+            streams = {pair[stream] for pair in pairs}
             whole = sorted(streams & set(WHOLE_VECTOR_DTYPES))
             if whole and group != size:
                 raise ConfigError(

@@ -20,12 +20,11 @@ def plan_json(plan: CapacityPlan) -> str:
 def _policy_label(row: CapacityRow) -> str:
     p = row.policy
     scales = "" if p.k_dtype in ("auto", "fp16", "bf16") else f" g={p.group_size}/{p.scale_dtype}"
-    if scales and p.k_group_size is not None:
-        scales += f" K g={p.k_group_size}"
-    if p.k_scale_axis != "token":
-        scales += f" K per {p.k_scale_axis}"
-    if p.rotation != "none":
-        scales += f" {p.rotation}"
+    if scales:
+        keys = [f"K g={p.k_group_size}"] if p.k_group_size is not None else []
+        keys += [f"K per {p.k_scale_axis}"] if p.k_scale_axis != "token" else []
+        keys += [p.rotation] if p.rotation != "none" else []
+        scales += "".join(f" {part}" for part in keys)
     if p.boundary_layers:
         scales += f" first/last {p.boundary_layers} layers fp16"
     csa = f" csa={p.csa_ratio} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
