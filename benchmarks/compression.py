@@ -47,6 +47,14 @@ POLICIES: dict[str, KVPolicy] = {
     # Pooling only (no host tier), at equal bytes: the summaries before and after the fix.
     "fp8 csa8 w256 post-RoPE (before)": _csa(FP8, 8, 256, csa_summary="post_rope"),
     "fp8 csa8 w256 pre-RoPE": _csa(FP8, 8, 256),
+    # Pooling at the bytes of the importance-kept rows below (today's pooling, denser).
+    "fp8 csa4 w256": _csa(FP8, 4, 256),
+    "fp8 csa2 w256": _csa(FP8, 2, 256),
+    # No host tier: csa_keep of each 8 older blocks kept exact by window attention received,
+    # beside summaries of all (csa8 + 1/8 kept = csa4's bytes; csa8 + 3/8 = csa2's).
+    "fp8 csa8 w256 keep 1/8": _csa(FP8, 8, 256, csa_keep=0.125),
+    "fp8 csa16 w256 keep 1/8": _csa(FP8, 16, 256, csa_keep=0.125),
+    "fp8 csa8 w256 keep 3/8": _csa(FP8, 8, 256, csa_keep=0.375),
     # Query-aware selection over the host tier, scored on key bounds or on summaries.
     "fp8 csa16 w256 + top32 host": _csa(FP8, 16, 256, csa_topk=32, csa_host=True),
     "fp8 csa16 w256 + top32 host (summary index)": _csa(

@@ -19,6 +19,11 @@ tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), and the
 holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer fetches the
 blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host block whose
 head slice each staging block holds).
+With importance keeping (policy.keeps), pooling the first block of each group of KEEP_GROUP older
+blocks allocates csa_keep * KEEP_GROUP main-pool blocks (`SequenceKV.keep_blocks`) and records the
+group's blocks as candidates (`SequenceKV.pending_keeps`): every block of the group is complete
+and quantized by then, and the KV cache copies into them, per layer and KV head, the candidates
+that received the most attention.
 The manager only decides; the KV cache executes the returned copy operations on every layer and
 then calls `release` for their source blocks.
 """
@@ -27,9 +32,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.kv_bytes import ceil_div, compressed_blocks, exact_extents, sequence_blocks
-from runtime.policy import KVPolicy
+from runtime.policy import KEEP_GROUP, KVPolicy
+
+if TYPE_CHECKING:
+    import torch
 
 MAIN = "main"
 RECENT = "recent"
@@ -88,6 +97,19 @@ class RetiringBlock:
     block: Block
 
 
+@dataclass(frozen=True)
+class KeepGroup:
+    """A group of KEEP_GROUP older blocks whose importance-kept copies are decided now.
+
+    first: older-block index (counted from csa_sinks) of the group's first block; candidates:
+    the main-pool ids of its blocks, in order; slots: the index in SequenceKV.keep_blocks of
+    the first of the group's kept blocks (they are consecutive)."""
+
+    first: int
+    candidates: tuple[int, ...]
+    slots: int
+
+
 @dataclass
 class SequenceKV:
     """The blocks one sequence holds. `sinks` is used only when the policy compresses."""
@@ -102,6 +124,12 @@ class SequenceKV:
     bound_blocks: list[int] = field(default_factory=list)
     staging_blocks: list[int] = field(default_factory=list)
     staged: dict[int, list[dict[int, int]]] = field(default_factory=dict)
+    keep_blocks: list[int] = field(default_factory=list)
+    pending_keeps: list[KeepGroup] = field(default_factory=list)
+    # Per layer: [keep blocks, KV heads] older-block index each kept slice holds, and
+    # [KV heads, older blocks] attention received so far (kept by the KV cache).
+    kept: dict[int, torch.Tensor] = field(default_factory=dict)
+    importance: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -183,7 +211,7 @@ class BlockManager:
         peak_main = newly_compressed + max(
             self._main_blocks_before_attention(end), after.quantized + after.summary
         )
-        peak_main += after.staging + after.bounds
+        peak_main += after.staging + after.bounds + after.kept
         peak_recent = held[RECENT]
         if self.tail_kind == RECENT:
             peak_recent += self._new_tail_blocks(kv, num_new)
@@ -215,7 +243,10 @@ class BlockManager:
 
     def held(self, kv: SequenceKV) -> dict[str, int]:
         counts = {
-            MAIN: len(kv.summary_blocks) + len(kv.staging_blocks) + len(kv.bound_blocks),
+            MAIN: len(kv.summary_blocks)
+            + len(kv.staging_blocks)
+            + len(kv.bound_blocks)
+            + len(kv.keep_blocks),
             RECENT: 0,
             HOST: len(kv.host_blocks),
         }
@@ -250,7 +281,9 @@ class BlockManager:
         bs, ratio = policy.block_size, policy.csa_ratio
         done = (kv.window.start - self._sink_count()) // bs
         copies = []
-        for _ in range(compressed_blocks(policy, upto) - done):
+        for pooled in range(done, compressed_blocks(policy, upto)):
+            if policy.keeps and pooled % KEEP_GROUP == 0:
+                self._open_keep_group(kv, pooled)
             source = kv.window.blocks.pop(0)
             kv.retiring.append(RetiringBlock("window", kv.window.start, source))
             kv.window.start += bs
@@ -266,6 +299,18 @@ class BlockManager:
                 copies.extend(self._keep_on_host(kv, source))
             copies.append(BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio))
         return copies
+
+    def _open_keep_group(self, kv: SequenceKV, first: int) -> None:
+        """Allocate the kept blocks of the group starting at older block `first` (about to be
+        pooled) and list its blocks, all complete and in the main pool (policy checks)."""
+        candidates = kv.window.blocks[:KEEP_GROUP]
+        if len(candidates) < KEEP_GROUP or any(block.kind != MAIN for block in candidates):
+            raise RuntimeError(f"keep group at older block {first}: {candidates} not all main")
+        slots = len(kv.keep_blocks)
+        for _ in range(self.policy.kept_per_group):
+            kv.keep_blocks.append(self.pools[MAIN].allocate())
+        ids = tuple(block.block_id for block in candidates)
+        kv.pending_keeps.append(KeepGroup(first, ids, slots))
 
     def _keep_on_host(self, kv: SequenceKV, source: Block) -> list[BlockCopy]:
         """Copy a block being pooled into the host tier (and its key bounds into the index),
@@ -325,12 +370,13 @@ class BlockManager:
                 self.pools[copy.src_kind].release(copy.src_block)
         for kv in kvs:
             kv.retiring.clear()
+            kv.pending_keeps.clear()
 
     def free(self, kv: SequenceKV) -> None:
         """Return every block of a finished or preempted sequence."""
         for block in kv.sinks.blocks + kv.window.blocks:
             self.pools[block.kind].release(block.block_id)
-        for block_id in kv.summary_blocks + kv.staging_blocks + kv.bound_blocks:
+        for block_id in kv.summary_blocks + kv.staging_blocks + kv.bound_blocks + kv.keep_blocks:
             self.pools[MAIN].release(block_id)
         for block_id in kv.host_blocks:
             self.pools[HOST].release(block_id)
@@ -341,3 +387,7 @@ class BlockManager:
         kv.bound_blocks.clear()
         kv.host_blocks.clear()
         kv.staged.clear()
+        kv.keep_blocks.clear()
+        kv.pending_keeps.clear()
+        kv.kept.clear()
+        kv.importance.clear()

@@ -247,7 +247,7 @@ class Engine:
             copies.extend(self.blocks.maintain(kv))
             rows.append(range(start, start + item.num_tokens))
             start += item.num_tokens
-        self.cache.apply_copies(copies)
+        self.cache.apply_copies(copies, kvs)
         self.blocks.release(copies, kvs)
         return rows
 

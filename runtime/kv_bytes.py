@@ -20,6 +20,9 @@ tier (the layer's format), and the device holds a staging pool of min(csa_topk, 
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
 host bytes the tier. With csa_index = bounds each pooled block also keeps one device slot of
 key bounds (max in K, min in V) in the layer's format, packed block_size to a block.
+With importance keeping (csa_keep) a sequence holds csa_keep * KEEP_GROUP device blocks for every
+group of KEEP_GROUP pooled blocks, counted from the group's first: each layer and KV head copies
+into them the group's blocks that received the most attention (their summaries stay too).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 from kernels.kv_format import KVFormat
 from runtime.arch import ModelArch
-from runtime.policy import KVPolicy
+from runtime.policy import KEEP_GROUP, KVPolicy
 
 RECENT_DTYPE = "fp16"
 
@@ -55,12 +58,13 @@ class SequenceBlocks:
     staging: int = 0
     host: int = 0
     bounds: int = 0
+    kept: int = 0
 
     @property
     def main(self) -> int:
-        """Device blocks in the layer's format: exact, summaries, key bounds and the staging
-        pool."""
-        return self.quantized + self.summary + self.staging + self.bounds
+        """Device blocks in the layer's format: exact, summaries, key bounds, the staging pool
+        and importance-kept blocks."""
+        return self.quantized + self.summary + self.staging + self.bounds + self.kept
 
     @property
     def total(self) -> int:
@@ -83,6 +87,13 @@ def compressed_blocks(policy: KVPolicy, num_tokens: int) -> int:
         return 0
     after_sinks = max(0, num_tokens - policy.csa_sinks)
     return max(0, after_sinks - policy.csa_window) // policy.block_size
+
+
+def kept_blocks(policy: KVPolicy, num_tokens: int) -> int:
+    """Device blocks holding importance-kept copies: csa_keep of each group of KEEP_GROUP pooled
+    blocks, held from the moment the group's first block is pooled."""
+    groups = ceil_div(compressed_blocks(policy, num_tokens), KEEP_GROUP)
+    return groups * policy.kept_per_group
 
 
 def summary_tokens(policy: KVPolicy, num_tokens: int) -> int:
@@ -126,6 +137,7 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
         staging=min(policy.csa_topk, host),
         host=host,
         bounds=ceil_div(host, bs) if policy.csa_index == "bounds" else 0,
+        kept=kept_blocks(policy, num_tokens),
     )
 
 

@@ -42,6 +42,7 @@ from runtime.arch import ModelArch
 from runtime.backends import CacheOps
 from runtime.block_manager import HOST, MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
 from runtime.clip_counter import ClipCounter, range_limit
+from runtime.kept_blocks import KeptBlocks
 from runtime.kv_bytes import layer_block_bytes, layer_formats
 from runtime.policy import KVPolicy
 
@@ -147,6 +148,7 @@ class KVCache:
         self.rotations = layer_rotations(arch, policy, device)
         self.alignments = self._summary_alignments(rope_inv_freq)
         self.fetched_bytes = 0
+        self.kept = KeptBlocks(policy, heads, device) if policy.keeps else None
         all_formats = layer_formats(arch, policy)
         self.clips = ClipCounter(
             [
@@ -385,12 +387,49 @@ class KVCache:
         summaries = streams.get("summary" + MAIN)
         if summaries is not None and self.policy.selects:
             self._select(layer, layout, q, positions, scale, streams, index or summaries)
+        if self.kept is not None:
+            self._keep(layer, layout, q, scale, streams)
         out = self.ops.attention(
             q, positions, layout.q_seq_starts, list(streams.values()), scale, layout.max_q_len
         )
         if rotation is not None and rotation.rotates_values:
             out = unrotate(out, rotation)
         return out.to(dtype)
+
+    def _keep(
+        self,
+        layer: int,
+        layout: StepLayout,
+        q: torch.Tensor,
+        scale: float,
+        streams: dict[str, PagedStream],
+    ) -> None:
+        """Count this step's window attention, fill the kept blocks of groups decided now, and
+        show the kept blocks in place of their summaries."""
+        kept, pools = self.kept, self.layers[layer]
+        window = [stream for key, stream in streams.items() if key.startswith("window")]
+        kept.observe(
+            layer,
+            layout.kvs,
+            q,
+            layout.q_positions,
+            layout.q_seq_starts,
+            window,
+            scale,
+            layout.decode_only,
+        )
+        kept.decide(layer, layout.kvs, pools.k[MAIN], pools.v[MAIN])
+        shown = kept.apply(
+            layer,
+            layout.kvs,
+            layout.q_positions,
+            layout.q_seq_starts,
+            streams.get("summary" + MAIN),
+            pools.k[MAIN],
+            pools.v[MAIN],
+        )
+        for name, stream in shown.items():
+            streams[name + MAIN] = stream
 
     def _select(
         self,
@@ -498,11 +537,15 @@ class KVCache:
             self.fetched_bytes += len(reads) * self.layer_bytes[layer] // heads
         return list(kv.staging_blocks)
 
-    def apply_copies(self, copies: list[BlockCopy]) -> None:
-        """Execute compressions and recent->main moves on every layer (sources freed by caller)."""
+    def apply_copies(self, copies: list[BlockCopy], kvs: list[SequenceKV]) -> None:
+        """Execute compressions and recent->main moves on every layer, and the keep decisions
+        of kvs (sources freed by caller)."""
         groups = self._copy_groups(copies)
         for layer in range(len(self.layers)):
             self._run_copies(layer, groups)
+            if self.kept is not None:
+                pools = self.layers[layer]
+                self.kept.decide(layer, kvs, pools.k[MAIN], pools.v[MAIN])
 
 
 def _exact_segments(

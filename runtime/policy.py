@@ -56,6 +56,10 @@ CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope")
 # slot a block: the max in K, the min in V), or its summaries (no extra bytes, but a mean
 # dilutes the one token a query looks for).
 CSA_INDEXES: tuple[str, ...] = ("bounds", "summaries")
+# Older blocks are kept by importance in groups of this many consecutive blocks: csa_keep of
+# each group stays exact, decided when the group's first block leaves the window.
+KEEP_GROUP = 8
+KEEP_FRACTIONS: tuple[float, ...] = tuple(i / KEEP_GROUP for i in range(KEEP_GROUP))
 
 
 def _field(name: str) -> str:
@@ -138,6 +142,10 @@ class KVPolicy:
     csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
         CPU has a second pool), from which selected blocks are fetched into a device staging
         pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
+    csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
+        per layer and KV head by the attention they received while in the window (H2O /
+        SnapKV style, from queries that already ran): in every group of 8 consecutive older
+        blocks, the csa_keep * 8 that got the most. 0 = none.
     block_size: tokens a paged block holds.
     chunk_size: prefill chunk in tokens, a multiple of block_size.
     rotation: none, or hadamard: an orthonormal randomized Hadamard rotation of K and V along
@@ -169,6 +177,7 @@ class KVPolicy:
     csa_topk: int = 0
     csa_index: str = "bounds"
     csa_host: bool = False
+    csa_keep: float = 0.0
     block_size: int = 16
     chunk_size: int = 512
     rotation: str = NO_ROTATION
@@ -298,6 +307,7 @@ class KVPolicy:
                 _field("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
             )
         self._check_selection()
+        self._check_keep()
         if ratio > 1 and self.csa_window < self.block_size:
             raise ConfigError(
                 _field("csa_window"),
@@ -334,6 +344,55 @@ class KVPolicy:
                 self.csa_topk,
                 "an integer >= 1 when csa_host is true (only selection reads the host tier)",
             )
+
+    def _check_keep(self) -> None:
+        """Kept blocks are decided when a group's first block leaves the window, from codes
+        in the layer's format: every block of the group must be complete and quantized then."""
+        keep = self.csa_keep
+        allowed = ", ".join(f"{f:g}" for f in KEEP_FRACTIONS)
+        number = isinstance(keep, int | float) and not isinstance(keep, bool)
+        if not number or keep not in KEEP_FRACTIONS:
+            raise ConfigError(_field("csa_keep"), keep, f"one of {allowed}")
+        object.__setattr__(self, "csa_keep", float(keep))  # 0 and 0.0: one policy, one key
+        if not keep:
+            return
+        if self.csa_ratio == 1:
+            raise ConfigError(
+                _field("csa_keep"), keep, "0 when csa_ratio is 1 (it keeps compressed blocks)"
+            )
+        if self.csa_topk:
+            raise ConfigError(
+                _field("csa_keep"),
+                keep,
+                "0 when csa_topk > 0 (importance-kept blocks and host-tier selection do not "
+                "combine yet)",
+            )
+        span = (KEEP_GROUP - 1) * self.block_size
+        if self.csa_window < span:
+            raise ConfigError(
+                _field("csa_window"),
+                self.csa_window,
+                f">= {span} ({KEEP_GROUP - 1} x block_size) when csa_keep > 0 (a group of "
+                f"{KEEP_GROUP} blocks is decided when its first leaves the window)",
+            )
+        if self.recent_unquantized > self.csa_window - span:
+            raise ConfigError(
+                _field("recent_unquantized"),
+                self.recent_unquantized,
+                f"<= csa_window - {KEEP_GROUP - 1} x block_size = {self.csa_window - span} when "
+                "csa_keep > 0 "
+                "(kept blocks are copied from quantized codes)",
+            )
+
+    @property
+    def keeps(self) -> bool:
+        """Whether older blocks are kept exact on the device by importance."""
+        return self.csa_keep > 0
+
+    @property
+    def kept_per_group(self) -> int:
+        """Blocks kept exact out of every KEEP_GROUP consecutive older blocks."""
+        return round(self.csa_keep * KEEP_GROUP)
 
     @property
     def selects(self) -> bool:

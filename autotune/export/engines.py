@@ -67,6 +67,9 @@ def _engine_policy(
         scale_dtype=scale,
         recent_unquantized=0,
         csa_ratio=1,
+        csa_topk=0,
+        csa_host=False,
+        csa_keep=0.0,
     )
 
 
@@ -292,6 +295,12 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
             f"CSA compression (ratio {policy.csa_ratio}, {policy.csa_sinks} sinks, window "
             f"{policy.csa_window}, summaries pooled {policy.csa_summary.replace('_', '-')}): no "
             "engine compresses the cache; the engines keep every token (capacity below)"
+        )
+    if policy.keeps:
+        gaps.append(
+            f"older blocks kept exact by the attention they received ({policy.csa_keep:g} of "
+            "each group of 8, per layer and KV head, beside their summaries): no engine keeps "
+            "part of an evicted context; the engines keep every token on the device"
         )
     if policy.selects:
         gaps.append(

@@ -30,6 +30,8 @@ def _policy_label(row: CapacityRow) -> str:
     csa = f" csa={p.csa_ratio} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
     if p.selects:
         csa += f" top{p.csa_topk} from host"
+    if p.keeps:
+        csa += f" keep {p.csa_keep:g}"
     layers = " per-layer" if p.layer_dtypes else ""
     recent = f" recent={p.recent_unquantized}" if p.recent_unquantized else ""
     return f"K {p.k_dtype} / V {p.v_dtype}{scales}{csa}{recent}{layers}"

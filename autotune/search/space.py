@@ -27,6 +27,8 @@ from runtime.policy import (
     CSA_INDEXES,
     CSA_SUMMARIES,
     K_SCALE_AXES,
+    KEEP_FRACTIONS,
+    KEEP_GROUP,
     KV_DTYPES,
     NO_ROTATION,
     PER_TENSOR,
@@ -51,16 +53,30 @@ KNOB_NAMES = (
     "csa_summary",
     "csa_topk",
     "csa_index",
+    "csa_keep",
     "block_size",
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
 # Knobs added after studies began: a conf/search without them keeps the policy default.
-OPTIONAL_KNOBS = ("k_scale_axis", "rotation", "csa_summary", "csa_topk", "csa_index")
+OPTIONAL_KNOBS = ("k_scale_axis", "rotation", "csa_summary", "csa_topk", "csa_index", "csa_keep")
 
 
 def _field(name: str) -> str:
     return f"search.{name}"
+
+
+def _can_keep(knobs: Mapping[str, Any]) -> bool:
+    """Whether importance-kept blocks combine with the other knobs drawn (KVPolicy's rules):
+    compression without selection, a window that holds a keep group, a recent region inside
+    it. Elsewhere csa_keep falls back to 0, so every draw stays valid."""
+    span = (KEEP_GROUP - 1) * knobs["block_size"]
+    return (
+        knobs["csa_ratio"] > 1
+        and knobs["csa_topk"] == 0
+        and knobs["csa_window"] >= span
+        and knobs["recent_unquantized"] <= knobs["csa_window"] - span
+    )
 
 
 def _candidates(name: str, value: object) -> tuple[Any, ...]:
@@ -188,6 +204,14 @@ class SearchConfig:
             f"one of {', '.join(CSA_INDEXES)}",
         )
         _check_each(
+            "csa_keep",
+            k["csa_keep"],
+            lambda f: (
+                isinstance(f, int | float) and not isinstance(f, bool) and f in KEEP_FRACTIONS
+            ),
+            f"values from {', '.join(f'{f:g}' for f in KEEP_FRACTIONS)}",
+        )
+        _check_each(
             "csa_summary",
             k["csa_summary"],
             CSA_SUMMARIES.__contains__,
@@ -289,6 +313,8 @@ class SearchSpace:
         if knobs["csa_ratio"] == 1:
             knobs["csa_topk"] = 0  # nothing compressed, nothing to select
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
+        if not _can_keep(knobs):
+            knobs["csa_keep"] = 0.0
         pairs = [""] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
@@ -391,6 +417,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             csa_summary=_DEFAULTS.csa_summary,
             csa_topk=0,
             csa_host=False,
+            csa_keep=0.0,
         )
     if not policy.selects:
         changes.update(csa_index=_DEFAULTS.csa_index)

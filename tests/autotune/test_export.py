@@ -129,6 +129,22 @@ def test_engines_keep_every_token_of_a_compressed_policy():
         assert kv_bytes_per_sequence(ARCH, mapping.equivalent, 1024) >= ours
 
 
+@pytest.mark.parametrize(
+    "changes",
+    [{"csa_topk": 8, "csa_host": True}, {"csa_keep": 0.25, "csa_window": 256}],
+)
+def test_selected_and_kept_blocks_export_as_every_token_kept_and_are_named_as_gaps(changes):
+    policy = KVPolicy("fp8", "fp8", group_size="tensor", csa_ratio=8, **changes)
+    ours = kv_bytes_per_sequence(ARCH, policy, 4096)
+    for mapping in (vllm_mapping(policy, ARCH), sglang_mapping(policy, ARCH)):
+        equivalent = mapping.equivalent
+        assert not equivalent.compressed and not equivalent.selects and not equivalent.keeps
+        assert kv_bytes_per_sequence(ARCH, equivalent, 4096) > ours
+    gaps = " ".join(_policy_gaps(policy, ARCH, formats_exported=True))
+    assert ("host-memory tier" in gaps) == ("csa_topk" in changes)
+    assert ("kept exact by the attention they received" in gaps) == ("csa_keep" in changes)
+
+
 def test_max_num_seqs_is_what_the_target_device_fits():
     mapping = vllm_mapping(mixed_policy(), ARCH)  # layer 0 bf16, layers 1-3 fp8 per tensor
     # A token: 2 KV heads x 64 x (K, V) x (2 B in layer 0 + 1 B in each of 3 fp8 layers).

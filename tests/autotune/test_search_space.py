@@ -227,3 +227,37 @@ def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
         if not drawn.compressed:
             assert (drawn.csa_topk, drawn.csa_index, drawn.csa_summary) == (0, "bounds", "pre_rope")
     assert "fp8-csa16-top32-host" not in space().warm_starts()
+
+
+def test_kept_blocks_are_drawn_only_where_the_policy_rules_allow_them():
+    """csa_keep survives a draw only with compression, no selection, a window of at least 7
+    blocks and a recent region inside window - 7 blocks (KVPolicy's rules); elsewhere it is 0,
+    and both cases occur."""
+    search = space(
+        csa_ratio=[1, 4],
+        csa_window=[128, 512],
+        csa_topk=[0, 8],
+        csa_keep=[0, 0.25, 0.5],
+        recent_unquantized=[0, 256],
+        block_size=[16, 32],
+        chunk_size=[512],
+    )
+    kept = 0
+    for drawn in valid_draws(search, 200, seed=3):
+        span = 7 * drawn.block_size
+        allowed = (
+            drawn.compressed
+            and drawn.csa_topk == 0
+            and drawn.csa_window >= span
+            and drawn.recent_unquantized <= drawn.csa_window - span
+        )
+        if not allowed:
+            assert drawn.csa_keep == 0.0, drawn
+        kept += drawn.csa_keep > 0
+    assert 0 < kept < 200
+
+
+def test_keep_candidates_must_be_eighths_below_one():
+    with pytest.raises(ConfigError) as error:
+        space(csa_keep=[0, 0.3])
+    assert error.value.field == "search.csa_keep"

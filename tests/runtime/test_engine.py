@@ -167,6 +167,19 @@ POLICIES_FOR_BYTES = [
     ),
     # CSA selection: a host tier, a staging pool and key bounds beside summaries (int4 keys).
     SELECTING.replace(k_dtype="int4", csa_topk=2, chunk_size=24),
+    # Importance-kept blocks beside summaries, demoted from a recent region first.
+    KVPolicy(
+        "fp8",
+        "fp8",
+        group_size=16,
+        csa_ratio=4,
+        csa_window=64,
+        csa_sinks=4,
+        csa_keep=0.25,
+        recent_unquantized=8,
+        block_size=8,
+        chunk_size=24,
+    ),
 ]
 
 

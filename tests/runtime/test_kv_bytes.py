@@ -155,6 +155,21 @@ def test_mla_caches_one_latent_a_token_and_layer():
     assert kv_bytes_per_sequence(DSV3, KVPolicy(), 4096) == 4096 * 61 * 576 * 2
 
 
+def test_importance_keeping_counts_its_kept_blocks_from_each_groups_first_pooled_block():
+    """fp8 g32 (6,528 B a block of one layer, 195,840 B all layers, as below), CSA 16:1 over
+    16 sinks and a 256-token window, csa_keep 0.25: 2 kept blocks for every group of 8 pooled
+    blocks, held from the moment the group's first block is pooled."""
+    policy = KVPolicy("fp8", "fp8", csa_ratio=16, csa_window=256, csa_sinks=16, csa_keep=0.25)
+    block = 16 * 3 * 2 * 68 * 30
+    pooled = (2048 - 16 - 256) // 16  # 111 blocks: 14 groups, the last one open
+    kept = 2 * 14
+    assert kv_bytes_per_sequence(SMOL, policy, 2048) == (1 + 16 + 7 + kept) * block
+    assert pooled == 111
+    # The first pooled block opens a group: 2 kept blocks at once.
+    assert kv_bytes_per_sequence(SMOL, policy, 16 + 256 + 16) == (1 + 16 + 1 + 2) * block
+    assert host_kv_bytes_per_sequence(SMOL, policy, 2048) == 0
+
+
 def test_selection_counts_staging_and_bounds_on_the_device_and_the_pooled_blocks_on_the_host():
     """fp8 g32, blocks of 16, CSA 16:1 over 16 sinks and a 256-token window, top 32 from the host
     tier, 2048 tokens. A vector: 64 code bytes + 2 fp16 scales = 68 B; a block of one layer:

@@ -95,6 +95,17 @@ POLICIES = {
         rotation="hadamard",
         block_size=BLOCK,
     ),
+    # Importance-kept blocks: 4 of each group of 8 older blocks stay exact, chosen by the window
+    # attention of the queries before the group's first block leaves the window.
+    "csa_keep": KVPolicy(
+        k_dtype="fp8",
+        v_dtype="fp8",
+        csa_ratio=4,
+        csa_window=56,
+        csa_sinks=2,
+        csa_keep=0.5,
+        block_size=BLOCK,
+    ),
 }
 PROMPT = random_tokens(90, seed=3)
 OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
