@@ -35,6 +35,9 @@ from runtime.policy import KVPolicy
 
 FP8 = KVPolicy("fp8", "fp8")
 INT4 = KVPolicy("int4", "int4", rotation="hadamard")
+# 0.41 of fp16's bytes: near-lossless 8-bit keys (per-token codes need 8 bits on this model's
+# keys), 4-bit rotated values; cheap enough that more blocks fit the staging pool.
+K8V4 = KVPolicy("int8", "int4", group_size=64, rotation="hadamard")
 
 
 def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
@@ -62,6 +65,13 @@ POLICIES: dict[str, KVPolicy] = {
     ),
     "fp8 csa16 w256 + top48 host": _csa(FP8, 16, 256, csa_topk=48, csa_host=True),
     "int4 rotated csa16 w128 + top32 host": _csa(INT4, 16, 128, csa_topk=32, csa_host=True),
+    "K int8 / V int4 g64 rotated": K8V4,
+    "K int8 / V int4 rotated csa16 w256 + top64 host": _csa(
+        K8V4, 16, 256, csa_topk=64, csa_host=True
+    ),
+    "K int8 / V int4 rotated csa16 w256 + top72 host": _csa(
+        K8V4, 16, 256, csa_topk=72, csa_host=True
+    ),
 }
 
 

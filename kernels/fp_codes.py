@@ -272,10 +272,18 @@ def pack_e2m1_ref(nibbles: torch.Tensor) -> torch.Tensor:
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 
+@functools.cache
+def _e4m3_table(device: torch.device) -> torch.Tensor:
+    """fp32 [256]: the value of every E4M3 byte, through torch's float8_e4m3fn."""
+    return torch.arange(256, dtype=torch.uint8, device=device).view(torch.float8_e4m3fn).float()
+
+
 def decode_e4m3_fast(code: torch.Tensor) -> torch.Tensor:
-    """uint8 E4M3 codes -> fp32 through torch's float8_e4m3fn (the oracle `decode_e4m3_ref` is
-    tested against): the hot path of the torch backend, bit-identical and much faster."""
-    return code.view(torch.float8_e4m3fn).float()
+    """uint8 E4M3 codes -> fp32 by table lookup (the oracle `decode_e4m3_ref` is tested
+    against): the hot path of the torch backend. A lookup, not a float8 cast: the cast runs
+    about 6x slower on a CPU, where it dominated an fp8 decode step."""
+    values = _e4m3_table(code.device).index_select(0, code.reshape(-1).int())
+    return values.view(code.shape)
 
 
 @functools.cache
