@@ -6,12 +6,13 @@ context, retention on the trial suite and on held-out seeds, greedy exact match 
 multikey (absolute, fp16's beside), greedy generation of the pass key in a --needle-context
 haystack (needle_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
 decode step fetches from the host tier, and the decode step time relative to fp16 measured in
-the same run (torch path, one sequence of --decode-context tokens). Accuracy results are
-cached like the validity benchmark's (content-keyed), so a rerun only re-times decode.
+the same run, right before the row's (torch path, one sequence of --decode-context tokens).
+Accuracy results are cached like the validity benchmark's (content-keyed), so a rerun only
+re-times decode; --decode-only skips them (bytes, fetches and timing alone).
 
     .venv/bin/python -m benchmarks.compression [--cheap quick] [--heldout heldout]
         [--heldout-seeds 1] [--policies "..."] [--decode-context 4096] [--needle-context 4096]
-        [--needle-docs 8] [--markdown]
+        [--needle-docs 8] [--decode-only] [--markdown]
 """
 
 from __future__ import annotations
@@ -65,6 +66,17 @@ POLICIES: dict[str, KVPolicy] = {
     ),
     "fp8 csa16 w256 + top48 host": _csa(FP8, 16, 256, csa_topk=48, csa_host=True),
     "int4 rotated csa16 w128 + top32 host": _csa(INT4, 16, 128, csa_topk=32, csa_host=True),
+    # Without summaries (Quest): an older block a query does not select is not read; the
+    # summary slots go to selected blocks.
+    "fp8 w256 + top48 host, no summaries": _csa(
+        FP8, 2, 256, csa_topk=48, csa_host=True, csa_summary="none"
+    ),
+    "fp8 w256 + top56 host, no summaries": _csa(
+        FP8, 2, 256, csa_topk=56, csa_host=True, csa_summary="none"
+    ),
+    "K int8 / V int4 rotated w256 + top80 host, no summaries": _csa(
+        K8V4, 2, 256, csa_topk=80, csa_host=True, csa_summary="none"
+    ),
     "K int8 / V int4 g64 rotated": K8V4,
     "K int8 / V int4 rotated csa16 w256 + top64 host": _csa(
         K8V4, 16, 256, csa_topk=64, csa_host=True
@@ -111,6 +123,9 @@ def main() -> None:
     parser.add_argument("--needle-docs", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument(
+        "--decode-only", action="store_true", help="bytes and decode timing, no accuracy suites"
+    )
     args = parser.parse_args()
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     unknown = [n for n in names if n not in POLICIES]
@@ -128,13 +143,20 @@ def main() -> None:
     cache = JsonCache(default_cache_folder("eval-validity"))
     length = args.decode_context + args.decode_steps + 8
     base = LLM(folder, policy=FP16, max_model_len=length, max_num_seqs=1)
-    fp16_step, _ = decode_timing(base, args.decode_context, args.decode_steps)
     rows = []
     for name in names:
         policy = POLICIES[name]
-        quick = cached_evaluate(policy, cheap, cache)
-        held = mean_result([cached_evaluate(policy, s, cache) for s in heldouts]) if seeds else None
-        greedy = cached_evaluate(policy, needle, cache)["tasks"]["needle_greedy"]
+        quick = held = greedy = None
+        if not args.decode_only:
+            quick = cached_evaluate(policy, cheap, cache)
+            held = (
+                mean_result([cached_evaluate(policy, s, cache) for s in heldouts])
+                if seeds
+                else None
+            )
+            greedy = cached_evaluate(policy, needle, cache)["tasks"]["needle_greedy"]
+        # fp16 timed beside each row: a shared machine's load drifts over a long run.
+        fp16_step, _ = decode_timing(base, args.decode_context, args.decode_steps)
         step, fetched = decode_timing(
             base.with_policy(policy), args.decode_context, args.decode_steps
         )
@@ -156,12 +178,18 @@ def main() -> None:
                 step / fp16_step,
             )
         )
-        console.log(f"{name}: {device} device, {fmt(quick['accuracy_retention'])} quick")
+        console.log(f"{name}: {device} device, {step / fp16_step:.2f}x fp16's decode step")
     print_table(rows, cheap.name, contexts, args.decode_context, args.markdown, console)
 
 
-def _exact(result: dict, task: str) -> str:
-    row = result["tasks"].get(task)
+def _retention(result: dict | None) -> str:
+    if result is None:
+        return "-"
+    return f"{fmt(result['accuracy_retention'])} ± {fmt(result['accuracy_retention_stderr'])}"
+
+
+def _exact(result: dict | None, task: str) -> str:
+    row = None if result is None else result["tasks"].get(task)
     return (
         "-"
         if row is None
@@ -193,13 +221,13 @@ def print_table(
                 name,
                 device,
                 host,
-                f"{fmt(quick['accuracy_retention'])} ± {fmt(quick['accuracy_retention_stderr'])}",
-                f"{fmt(held['accuracy_retention'])} ± {fmt(held['accuracy_retention_stderr'])}"
-                if held
-                else "-",
+                _retention(quick),
+                _retention(held),
                 _exact(shown, "passkey"),
                 _exact(shown, "multikey"),
-                f"{fmt(greedy['exact_match'], 2)} ({fmt(greedy['baseline_exact_match'], 2)})",
+                f"{fmt(greedy['exact_match'], 2)} ({fmt(greedy['baseline_exact_match'], 2)})"
+                if greedy
+                else "-",
                 f"{fetched / 1024:.0f}",
                 f"{speed:.2f}",
             ]

@@ -18,7 +18,8 @@ With selection (policy.selects) a block pooled into summaries is also copied int
 tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), and the sequence
 holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer fetches the
 blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host block whose
-head slice each staging block holds).
+head slice each staging block holds). Without summaries (csa_summary none) a block leaving the
+window only moves to the host tier.
 With importance keeping (policy.keeps), pooling the first block of each group of KEEP_GROUP older
 blocks allocates csa_keep * KEEP_GROUP main-pool blocks (`SequenceKV.keep_blocks`) and records the
 group's blocks as candidates (`SequenceKV.pending_keeps`): every block of the group is complete
@@ -278,7 +279,7 @@ class BlockManager:
 
     def _compress(self, kv: SequenceKV, upto: int) -> list[BlockCopy]:
         policy = self.policy
-        bs, ratio = policy.block_size, policy.csa_ratio
+        bs = policy.block_size
         done = (kv.window.start - self._sink_count()) // bs
         copies = []
         for pooled in range(done, compressed_blocks(policy, upto)):
@@ -288,17 +289,24 @@ class BlockManager:
             kv.retiring.append(RetiringBlock("window", kv.window.start, source))
             kv.window.start += bs
             kv.window.length -= bs
-            dst_slots = []
-            for _ in range(bs // ratio):
-                index = kv.num_summaries
-                if index // bs == len(kv.summary_blocks):
-                    kv.summary_blocks.append(self.pools[MAIN].allocate())
-                dst_slots.append(kv.summary_blocks[index // bs] * bs + index % bs)
-                kv.num_summaries += 1
             if policy.selects:
                 copies.extend(self._keep_on_host(kv, source))
-            copies.append(BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio))
+            if policy.summarises:
+                copies.append(self._pool(kv, source))
         return copies
+
+    def _pool(self, kv: SequenceKV, source: Block) -> BlockCopy:
+        """The copy pooling a block that left the window into its summaries (it frees the
+        block)."""
+        bs, ratio = self.policy.block_size, self.policy.csa_ratio
+        dst_slots = []
+        for _ in range(bs // ratio):
+            index = kv.num_summaries
+            if index // bs == len(kv.summary_blocks):
+                kv.summary_blocks.append(self.pools[MAIN].allocate())
+            dst_slots.append(kv.summary_blocks[index // bs] * bs + index % bs)
+            kv.num_summaries += 1
+        return BlockCopy(source.kind, source.block_id, tuple(dst_slots), ratio)
 
     def _open_keep_group(self, kv: SequenceKV, first: int) -> None:
         """Allocate the kept blocks of the group starting at older block `first` (about to be
@@ -313,15 +321,17 @@ class BlockManager:
         kv.pending_keeps.append(KeepGroup(first, ids, slots))
 
     def _keep_on_host(self, kv: SequenceKV, source: Block) -> list[BlockCopy]:
-        """Copy a block being pooled into the host tier (and its key bounds into the index),
-        and grow the staging pool with it."""
+        """Copy a block leaving the window into the host tier (and its key bounds into the
+        index), and grow the staging pool with it."""
         bs = self.policy.block_size
         host = self.pools[HOST].allocate()
         kv.host_blocks.append(host)
         if len(kv.staging_blocks) < min(self.policy.csa_topk, len(kv.host_blocks)):
             kv.staging_blocks.append(self.pools[MAIN].allocate())
         slots = tuple(range(host * bs, (host + 1) * bs))
-        copies = [BlockCopy(source.kind, source.block_id, slots, 1, HOST, frees_source=False)]
+        # Without summaries no pooling copy follows: this one frees the block.
+        frees = not self.policy.summarises
+        copies = [BlockCopy(source.kind, source.block_id, slots, 1, HOST, frees_source=frees)]
         if self.policy.csa_index == "bounds":
             index = len(kv.host_blocks) - 1
             if index // bs == len(kv.bound_blocks):

@@ -19,7 +19,8 @@ With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy 
 tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
 host bytes the tier. With csa_index = bounds each pooled block also keeps one device slot of
-key bounds (max in K, min in V) in the layer's format, packed block_size to a block.
+key bounds (max in K, min in V) in the layer's format, packed block_size to a block. Without
+summaries (csa_summary none) the summary stream is empty.
 With importance keeping (csa_keep) a sequence holds csa_keep * KEEP_GROUP device blocks for every
 group of KEEP_GROUP pooled blocks, counted from the group's first: each layer and KV head copies
 into them the group's blocks that received the most attention (their summaries stay too).
@@ -97,6 +98,8 @@ def kept_blocks(policy: KVPolicy, num_tokens: int) -> int:
 
 
 def summary_tokens(policy: KVPolicy, num_tokens: int) -> int:
+    if not policy.summarises:
+        return 0
     return compressed_blocks(policy, num_tokens) * policy.block_size // policy.csa_ratio
 
 

@@ -15,10 +15,11 @@ lifetime rule (PagedStream.shown_from / hidden_from) that shows a block's exact,
 pooled form to exactly the positions that decode would show it to.
 
 CSA selection (policy.selects): each older block keeps its exact copy in a host tier, and in
-every layer each query reads exactly the csa_topk blocks it selects by their summaries
-(kernels/selection.py), the summaries of the others. A prefill chunk reads the selected blocks
-where they are (each query its own choice, by mask); a decode step fetches them into the
-sequence's staging blocks, reusing those still there, and counts the bytes it moved.
+every layer each query reads exactly the csa_topk blocks it selects by their key bounds or
+summaries (kernels/selection.py), the summaries of the others (none without summaries). A
+prefill chunk reads the selected blocks where they are (each query its own choice, by mask); a
+decode step fetches them into the sequence's staging blocks, reusing those still there, and
+counts the bytes it moved.
 """
 
 from __future__ import annotations
@@ -384,9 +385,9 @@ class KVCache:
         }
         positions = None if layout.decode_only else layout.q_positions
         index = streams.pop("bounds" + MAIN, None)  # read by selection, not attended
-        summaries = streams.get("summary" + MAIN)
-        if summaries is not None and self.policy.selects:
-            self._select(layer, layout, q, positions, scale, streams, index or summaries)
+        index = index or streams.get("summary" + MAIN)
+        if index is not None and self.policy.selects:
+            self._select(layer, layout, q, positions, scale, streams, index)
         if self.kept is not None:
             self._keep(layer, layout, q, scale, streams)
         out = self.ops.attention(
@@ -442,8 +443,8 @@ class KVCache:
         index: PagedStream,
     ) -> None:
         """Each query's csa_topk older blocks, scored on `index` (key bounds or summaries):
-        their summaries hidden from it, their exact form shown (in place in the host tier for a
-        prefill step, fetched for a decode step)."""
+        their summaries (if any) hidden from it, their exact form shown (in place in the host
+        tier for a prefill step, fetched for a decode step)."""
         policy = self.policy
         bs = policy.block_size
         per_block = bs // policy.csa_ratio
@@ -458,9 +459,10 @@ class KVCache:
             scale,
             policy.csa_index,
         )
-        streams[summary_key] = dataclasses.replace(
-            streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=2)
-        )
+        if policy.summarises:
+            streams[summary_key] = dataclasses.replace(
+                streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=2)
+            )
         host = streams.pop(host_key)
         if positions is not None:
             if self._host_is_remote(host):

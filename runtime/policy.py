@@ -50,8 +50,10 @@ PER_TENSOR = "tensor"
 # What the boundary layers cache (boundary_layers).
 BOUNDARY_PAIR = ("fp16", "fp16")
 # How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
-# pooled before RoPE; kernels/rope_align.py), or averaged as cached (post_rope, the old way).
-CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope")
+# pooled before RoPE; kernels/rope_align.py), or averaged as cached (post_rope, the old way);
+# none: no summaries, an older block a query does not select is skipped (Quest).
+NO_SUMMARY = "none"
+CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
 # What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
 # slot a block: the max in K, the min in V), or its summaries (no extra bytes, but a mean
 # dilutes the one token a query looks for).
@@ -133,7 +135,9 @@ class KVPolicy:
     csa_window: the most recent tokens kept exact when compressing.
     csa_sinks: the first tokens kept exact when compressing.
     csa_summary: pre_rope (keys turned to their group's centre before the mean, so RoPE does
-        not cancel them) or post_rope (the mean of the cached keys).
+        not cancel them), post_rope (the mean of the cached keys), or none (no summaries: with
+        selection, a query reads sinks, window and its selected blocks only, as Quest does;
+        selection then keeps as much accuracy and the summary bytes go to selected blocks).
     csa_topk: older blocks (outside sinks and window) each query reads exactly, chosen per
         query and layer by its attention to their summaries (0 = none: summaries only).
     csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
@@ -332,6 +336,13 @@ class KVPolicy:
                 self.csa_topk,
                 "0 when csa_ratio is 1 (selection picks among compressed blocks)",
             )
+        if self.csa_summary == NO_SUMMARY and (not self.csa_topk or self.csa_index != "bounds"):
+            raise ConfigError(
+                _field("csa_summary"),
+                self.csa_summary,
+                "pre_rope or post_rope unless csa_topk > 0 with csa_index bounds (without "
+                "summaries, only selection by key bounds reads older blocks)",
+            )
         if self.csa_topk and not self.csa_host:
             raise ConfigError(
                 _field("csa_host"),
@@ -402,6 +413,11 @@ class KVPolicy:
     @property
     def compressed(self) -> bool:
         return self.csa_ratio > 1
+
+    @property
+    def summarises(self) -> bool:
+        """Whether blocks that leave the window are pooled into summaries."""
+        return self.compressed and self.csa_summary != NO_SUMMARY
 
     @property
     def recent_tail(self) -> bool:

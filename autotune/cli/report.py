@@ -110,7 +110,8 @@ def policy_label(record: TrialRecord, num_layers: int) -> str:
         if policy.rotation != "none":
             parts.append(policy.rotation)
     if policy.compressed:
-        parts.append(f"csa{policy.csa_ratio}(s{policy.csa_sinks},w{policy.csa_window})")
+        pooled = f"csa{policy.csa_ratio}" if policy.summarises else "csa-nosum"
+        parts.append(f"{pooled}(s{policy.csa_sinks},w{policy.csa_window})")
     parts.append(f"b{policy.block_size} c{policy.chunk_size}")
     return " ".join(parts)
 

@@ -291,10 +291,15 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
     if policy.recent_unquantized:
         gaps.append(f"the {policy.recent_unquantized} most recent tokens kept in fp16")
     if policy.compressed:
+        summaries = (
+            f"ratio {policy.csa_ratio}, summaries pooled {policy.csa_summary.replace('_', '-')}"
+            if policy.summarises
+            else "no summaries: older blocks not selected are skipped"
+        )
         gaps.append(
-            f"CSA compression (ratio {policy.csa_ratio}, {policy.csa_sinks} sinks, window "
-            f"{policy.csa_window}, summaries pooled {policy.csa_summary.replace('_', '-')}): no "
-            "engine compresses the cache; the engines keep every token (capacity below)"
+            f"CSA compression ({summaries}, {policy.csa_sinks} sinks, window "
+            f"{policy.csa_window}): no engine compresses the cache; the engines keep every "
+            "token (capacity below)"
         )
     if policy.keeps:
         gaps.append(

@@ -27,7 +27,8 @@ def _policy_label(row: CapacityRow) -> str:
         scales += "".join(f" {part}" for part in keys)
     if p.boundary_layers:
         scales += f" first/last {p.boundary_layers} layers fp16"
-    csa = f" csa={p.csa_ratio} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
+    pooled = f"csa={p.csa_ratio}" if p.summarises else "csa without summaries"
+    csa = f" {pooled} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
     if p.selects:
         csa += f" top{p.csa_topk} from host"
     if p.keeps:

@@ -31,6 +31,7 @@ from runtime.policy import (
     KEEP_GROUP,
     KV_DTYPES,
     NO_ROTATION,
+    NO_SUMMARY,
     PER_TENSOR,
     ROTATION_NAMES,
     SCALE_DTYPES,
@@ -77,6 +78,12 @@ def _can_keep(knobs: Mapping[str, Any]) -> bool:
         and knobs["csa_window"] >= span
         and knobs["recent_unquantized"] <= knobs["csa_window"] - span
     )
+
+
+def _can_skip_summaries(knobs: Mapping[str, Any]) -> bool:
+    """Whether a draw may drop the summaries (KVPolicy's rule): only selection by key bounds
+    reads older blocks then. Elsewhere csa_summary falls back to the default pooling."""
+    return knobs["csa_topk"] > 0 and knobs["csa_index"] == "bounds"
 
 
 def _candidates(name: str, value: object) -> tuple[Any, ...]:
@@ -315,6 +322,8 @@ class SearchSpace:
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
         if not _can_keep(knobs):
             knobs["csa_keep"] = 0.0
+        if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
+            knobs["csa_summary"] = _DEFAULTS.csa_summary
         pairs = [""] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
@@ -386,7 +395,8 @@ def canonical(policy: KVPolicy) -> KVPolicy:
     quantized stream
     (the group size becomes "tensor", the one value every head_dim accepts), the key scale axis
     nothing without a quantized key stream, the CSA window, sinks, summary pooling and
-    selection nothing without compression (the selection index nothing without selection), and
+    selection nothing without compression (the selection index nothing without selection,
+    the pooling ratio nothing without summaries), and
     per-layer pairs that are all equal are the plain K/V dtypes. Canonical policies make equal
     trials hit the same cache entry.
     """
@@ -421,4 +431,6 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         )
     if not policy.selects:
         changes.update(csa_index=_DEFAULTS.csa_index)
+    if policy.compressed and not policy.summarises:
+        changes.update(csa_ratio=2)  # nothing is pooled: every ratio is the same policy
     return policy.replace(**changes)

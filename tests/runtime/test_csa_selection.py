@@ -7,10 +7,12 @@ behind compared bit for bit under two different questions.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from runtime import LLM
 from runtime.block_manager import HOST, MAIN
+from runtime.kv_cache import KVCache
 from runtime.policy import KVPolicy
 from tests.runtime.test_engine import random_tokens, relative_error
 
@@ -28,12 +30,14 @@ SELECT = KVPolicy(
 )
 
 
-def test_selecting_every_older_block_reads_the_uncompressed_cache(tiny_llama):
+@pytest.mark.parametrize("summary", ["pre_rope", "none"])
+def test_selecting_every_older_block_reads_the_uncompressed_cache(tiny_llama, summary):
     """With csa_topk >= the older blocks, every query reads all of them exactly and no summary:
     the logits are those of the same format without compression, in prefill and in decode."""
     prompt = random_tokens(100, seed=11)
     exact = LLM(str(tiny_llama), policy=KVPolicy("fp8", "fp8", group_size=16, block_size=BLOCK))
-    every = LLM(str(tiny_llama), policy=SELECT.replace(csa_topk=64), max_model_len=256)
+    every_policy = SELECT.replace(csa_topk=64, csa_summary=summary)
+    every = LLM(str(tiny_llama), policy=every_policy, max_model_len=256)
     assert relative_error(every.prompt_logits(prompt), exact.prompt_logits(prompt)) <= 1e-5
     a = every.generate([prompt], max_new_tokens=12)[0].token_ids
     b = exact.generate([prompt], max_new_tokens=12)[0].token_ids
@@ -116,3 +120,80 @@ def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_resu
     for got, want in zip(remote.prompt_logits_batch(prompts), expected, strict=True):
         assert torch.equal(got, want)
     assert remote.stats()["kv_fetched_bytes"] > 0
+
+
+QUEST = KVPolicy(
+    k_dtype="fp16",
+    v_dtype="fp16",
+    csa_ratio=4,
+    csa_window=16,
+    csa_sinks=4,
+    csa_summary="none",
+    csa_topk=3,
+    csa_host=True,
+    block_size=BLOCK,
+    chunk_size=32,
+)
+
+
+def quest_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: KVPolicy, scale: float
+) -> torch.Tensor:
+    """[N, Hq, D]: attention without summaries from its definition (Quest). Query p reads the
+    sinks, the window (the layout decode holds when p arrives: a block has left it once
+    csa_window tokens before p follow it) and, per KV head, the csa_topk older blocks with the
+    largest bound max over its query heads of sum_d max(q_d hi_d, q_d lo_d), hi / lo the
+    per-channel key max / min of the block; nothing of the other older blocks."""
+    sinks, bs, window, topk = (
+        policy.csa_sinks,
+        policy.block_size,
+        policy.csa_window,
+        policy.csa_topk,
+    )
+    num_q, kv_heads, per_kv = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
+    keys, values = k.half().float(), v.half().float()  # the fp16 cache
+    out = torch.zeros_like(q)
+    for p in range(num_q):
+        older = max(0, p - sinks - window) // bs
+        for h in range(kv_heads):
+            seen = torch.zeros(p + 1, dtype=torch.bool)
+            seen[:sinks] = True
+            seen[sinks + older * bs :] = True
+            blocks = keys[sinks : sinks + older * bs, h].view(older, bs, keys.shape[-1])
+            queries = q[p, h * per_kv : (h + 1) * per_kv]  # [per_kv, D]
+            bound = torch.maximum(
+                queries[:, None, :] * blocks.amax(1)[None],
+                queries[:, None, :] * blocks.amin(1)[None],
+            ).sum(-1)  # [per_kv, older]
+            for block in bound.amax(0).topk(min(topk, older)).indices.tolist():
+                seen[sinks + block * bs : sinks + (block + 1) * bs] = True
+            logits = queries @ keys[: p + 1, h][seen].T * scale
+            out[p, h * per_kv : (h + 1) * per_kv] = logits.softmax(-1) @ values[: p + 1, h][seen]
+    return out
+
+
+def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(tiny_llama):
+    """The first layer's attention output over a chunked prefill equals Quest's rule computed
+    here from the q, k and v the attention received; no summaries are held."""
+    llm = LLM(str(tiny_llama), policy=QUEST, max_model_len=256)
+    engine = llm.engine
+    seen = []
+    original = KVCache.attend
+
+    def attend(self, layer, layout, q, k, v, scale):
+        out = original(self, layer, layout, q, k, v, scale)
+        if layer == 0:
+            seen.append((q.clone(), k.clone(), v.clone(), out.clone(), scale))
+        return out
+
+    engine.cache.attend = attend.__get__(engine.cache)
+    prompt = random_tokens(120, seed=19)
+    engine.add_request(prompt, max_new_tokens=2)
+    while len(seen) < -(-len(prompt) // QUEST.chunk_size):  # the prefill chunks
+        engine.step()
+    q, k, v, out = (torch.cat([part[i] for part in seen]) for i in range(4))
+    expected = quest_attention(q, k, v, QUEST, seen[0][4])
+    assert relative_error(out, expected) <= 1e-5
+    kv = next(iter(engine.scheduler.kv.values()))
+    assert kv.summary_blocks == [] and len(kv.host_blocks) == (120 - 4 - 16) // BLOCK
+    assert len(kv.host_blocks) > QUEST.csa_topk  # the choice matters

@@ -167,6 +167,8 @@ POLICIES_FOR_BYTES = [
     ),
     # CSA selection: a host tier, a staging pool and key bounds beside summaries (int4 keys).
     SELECTING.replace(k_dtype="int4", csa_topk=2, chunk_size=24),
+    # Selection without summaries: the host tier, staging pool and key bounds alone.
+    SELECTING.replace(csa_summary="none", csa_topk=2, recent_unquantized=8, chunk_size=24),
     # Importance-kept blocks beside summaries, demoted from a recent region first.
     KVPolicy(
         "fp8",

@@ -189,6 +189,10 @@ def test_selection_counts_staging_and_bounds_on_the_device_and_the_pooled_blocks
     # Scored on summaries instead: no bound slots.
     summaries = policy.replace(csa_index="summaries")
     assert kv_bytes_per_sequence(SMOL, summaries, 2048) == device - 7 * block
+    # Without summaries: no summary blocks, the host tier and fetches unchanged.
+    quest = policy.replace(csa_summary="none")
+    assert kv_bytes_per_sequence(SMOL, quest, 2048) == device - 7 * block
+    assert host_kv_bytes_per_sequence(SMOL, quest, 2048) == pooled * block
     # Before any block leaves the window: no host tier, no staging, no bounds.
     assert host_kv_bytes_per_sequence(SMOL, policy, 272) == 0
     assert kv_bytes_per_sequence(SMOL, policy, 272) == 17 * block

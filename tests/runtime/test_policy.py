@@ -46,6 +46,18 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
         ({"v_dtype": "int3_tq", "group_size": "tensor", "k_group_size": 64}, "policy.group_size"),
         ({"k_dtype": "lloyd4", "scale_dtype": "e4m3"}, "policy.scale_dtype"),
         ({"k_dtype": "lloyd3", "k_scale_axis": "channel"}, "policy.k_scale_axis"),
+        ({"csa_summary": "max"}, "policy.csa_summary"),
+        ({"csa_ratio": 4, "csa_summary": "none"}, "policy.csa_summary"),
+        (
+            {
+                "csa_ratio": 4,
+                "csa_summary": "none",
+                "csa_topk": 8,
+                "csa_host": True,
+                "csa_index": "summaries",
+            },
+            "policy.csa_summary",
+        ),
         ({"boundary_layers": -1}, "policy.boundary_layers"),
         ({"boundary_layers": True}, "policy.boundary_layers"),
     ],

@@ -95,6 +95,21 @@ POLICIES = {
         rotation="hadamard",
         block_size=BLOCK,
     ),
+    # Selection without summaries (Quest): older blocks not selected are not read at all;
+    # recent copies move straight to the host tier.
+    "csa_select_no_summaries": KVPolicy(
+        k_dtype="int8",
+        v_dtype="fp8",
+        group_size=16,
+        csa_ratio=2,
+        csa_window=16,
+        csa_sinks=4,
+        csa_summary="none",
+        csa_topk=2,
+        csa_host=True,
+        recent_unquantized=24,
+        block_size=BLOCK,
+    ),
     # Importance-kept blocks: 4 of each group of 8 older blocks stay exact, chosen by the window
     # attention of the queries before the group's first block leaves the window.
     "csa_keep": KVPolicy(
