@@ -68,13 +68,13 @@ POLICIES: dict[str, KVPolicy] = {
     "int4 rotated csa16 w128 + top32 host": _csa(INT4, 16, 128, csa_topk=32, csa_host=True),
     # Without summaries (Quest): an older block a query does not select is not read; the
     # summary slots go to selected blocks.
-    "fp8 w256 + top48 host, no summaries": _csa(
+    "fp8 w256 + top48 host no summaries": _csa(
         FP8, 2, 256, csa_topk=48, csa_host=True, csa_summary="none"
     ),
-    "fp8 w256 + top56 host, no summaries": _csa(
+    "fp8 w256 + top56 host no summaries": _csa(
         FP8, 2, 256, csa_topk=56, csa_host=True, csa_summary="none"
     ),
-    "K int8 / V int4 rotated w256 + top80 host, no summaries": _csa(
+    "K int8 / V int4 rotated w256 + top80 host no summaries": _csa(
         K8V4, 2, 256, csa_topk=80, csa_host=True, csa_summary="none"
     ),
     "K int8 / V int4 g64 rotated": K8V4,
