@@ -38,10 +38,10 @@ from kernels.fp_codes import (
 )
 from kernels.int_codes import (
     codes_per_chunk,
+    decode_codes_fast,
     encode_uint_half_up_ref,
     encode_uint_ref,
     pack_codes_ref,
-    unpack_codes_ref,
 )
 from kernels.lloyd_max import encode_lloyd_ref
 from kernels.symmetric_int_codes import decode_int8_symmetric_ref, encode_int8_symmetric_ref
@@ -109,7 +109,7 @@ def _uint_format(bits: int, half_up: bool = False) -> ElementFormat:
         max_code=float(2**bits - 1),
         zero_point=True,
         encode=lambda u: pack_codes_ref(encode_units(u, bits), bits),
-        decode=lambda packed: unpack_codes_ref(packed, bits).float(),
+        decode=lambda packed: decode_codes_fast(packed, bits),
         scale_dtype="fp16" if half_up else None,
     )
 
@@ -123,7 +123,7 @@ def _lloyd_format(bits: int) -> ElementFormat:
         max_code=0.0,
         zero_point=False,
         encode=lambda y: pack_codes_ref(encode_lloyd_ref(y, bits, y.shape[-1]), bits),
-        decode=lambda packed: unpack_codes_ref(packed, bits).float(),
+        decode=lambda packed: decode_codes_fast(packed, bits),
         scale_dtype="fp16",
         whole_vector=True,
     )
@@ -170,7 +170,7 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
         15.0,
         False,
         lambda units: pack_codes_ref(encode_zero_in_scale_ref(units), 4),
-        lambda packed: unpack_codes_ref(packed, 4).float(),
+        lambda packed: decode_codes_fast(packed, 4),
         scale_dtype="fp32",
     ),
     "int8": _uint_format(8),

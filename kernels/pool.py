@@ -117,7 +117,10 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     codes = pool.codes[table].flatten(1, 2)
     scales = None
     if pool.scales is not None:
-        scales = pool.scales[table].repeat_interleave(pool.fmt.token_group, dim=2).flatten(1, 2)
+        scales = pool.scales[table]
+        if pool.fmt.token_group > 1:
+            scales = scales.repeat_interleave(pool.fmt.token_group, dim=2)
+        scales = scales.flatten(1, 2)
     return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
 
 

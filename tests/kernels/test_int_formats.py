@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels.int_codes import decode_codes_fast
 from kernels.kv_format import KVFormat
 from kernels.quantize import dequantize, quantize, quantize_ref
 from tests.kernels.test_quantize import assert_dequantize_matches_reference
@@ -156,3 +157,24 @@ def test_codes_are_packed_little_end_first(dtype: str, expected_bytes: list[int]
     for codes, scales in (quantize(x, fmt), quantize_ref(x, fmt)):
         assert codes[0].tolist() == expected_bytes
         assert scales[0].tolist() == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+def test_fast_decode_reads_the_bit_stream(bits: int) -> None:
+    """decode_codes_fast (the torch backend's table lookup) against the packing rule read off
+    numpy bits: element i of a vector is bits [i * bits, (i + 1) * bits) of its bytes, least
+    significant first; on every byte value, on a strided view and on no vectors."""
+    generator = np.random.default_rng(bits)
+    packed = generator.integers(0, 256, size=(5, 7, 24), dtype=np.uint8)
+    packed.reshape(-1)[:256] = np.arange(256)
+    bit_stream = np.unpackbits(packed, axis=-1, bitorder="little").reshape(5, 7, -1, bits)
+    expected = (bit_stream * (1 << np.arange(bits))).sum(-1).astype(np.float32)
+    decoded = decode_codes_fast(torch.from_numpy(packed), bits)
+    assert decoded.dtype == torch.float32
+    np.testing.assert_array_equal(decoded.numpy(), expected)
+    strided = torch.from_numpy(packed).transpose(0, 1)[:, ::2]
+    np.testing.assert_array_equal(
+        decode_codes_fast(strided, bits).numpy(), expected.transpose(1, 0, 2)[:, ::2]
+    )
+    empty = decode_codes_fast(torch.zeros(0, 2, 24, dtype=torch.uint8), bits)
+    assert empty.shape == (0, 2, 24 * 8 // bits)
