@@ -122,17 +122,8 @@ def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_resu
     assert remote.stats()["kv_fetched_bytes"] > 0
 
 
-QUEST = KVPolicy(
-    k_dtype="fp16",
-    v_dtype="fp16",
-    csa_ratio=4,
-    csa_window=16,
-    csa_sinks=4,
-    csa_summary="none",
-    csa_topk=3,
-    csa_host=True,
-    block_size=BLOCK,
-    chunk_size=32,
+QUEST = SELECT.replace(
+    k_dtype="fp16", v_dtype="fp16", csa_summary="none", csa_topk=3, chunk_size=32
 )
 
 
