@@ -40,6 +40,8 @@ from runtime.policy import (
 )
 
 ALL_LAYERS = "all"
+# The scale dtype integer formats store their zero points in (KVPolicy's rule).
+INTEGER_SCALE_DTYPE = "fp16"
 # Precision order for warm starts: the first present is the "uncompressed" choice.
 PRECISION_ORDER = ("auto", "bf16", "fp16", "int8", "fp8", "fp4", "int4", "int3", "int2")
 KNOB_NAMES = (
@@ -84,6 +86,22 @@ def _can_skip_summaries(knobs: Mapping[str, Any]) -> bool:
     """Whether a draw may drop the summaries (KVPolicy's rule): only selection by key bounds
     reads older blocks then. Elsewhere csa_summary falls back to the default pooling."""
     return knobs["csa_topk"] > 0 and knobs["csa_index"] == "bounds"
+
+
+def _fit_integer_scales(
+    knobs: dict[str, Any], pairs: Sequence[str], group_sizes: Sequence[Any]
+) -> None:
+    """Integer formats keep a zero point per group in an fp16 scale (KVPolicy's rule): a draw
+    that gives them E4M3 scales takes fp16 ones, and one that gives them a per-tensor group
+    where they use it (values, token-scaled keys) takes the smallest group size candidate.
+    So a space may list every dtype beside every scale setting and each draw stays valid."""
+    keys = {pair.split("/")[0] for pair in pairs} & set(ZERO_POINT_DTYPES)
+    values = {pair.split("/")[1] for pair in pairs} & set(ZERO_POINT_DTYPES)
+    if keys or values:
+        knobs["scale_dtype"] = INTEGER_SCALE_DTYPE
+    grouped = values or (keys and knobs["k_scale_axis"] == "token")
+    if grouped and knobs["group_size"] == PER_TENSOR:
+        knobs["group_size"] = min(g for g in group_sizes if g != PER_TENSOR)
 
 
 def _candidates(name: str, value: object) -> tuple[Any, ...]:
@@ -151,23 +169,19 @@ class SearchConfig:
         return config
 
     def _check_integer_pairings(self) -> None:
-        """Integer dtypes keep a zero point per group in an fp16 scale: no draw may pair them
-        with E4M3 scales, or with a per-tensor group where they use it (token-scaled keys,
-        values)."""
+        """Integer dtypes keep a zero point per group in an fp16 scale: a space listing them
+        needs an fp16 scale candidate and a group size candidate for draws to fall back to
+        (`_fit_integer_scales`)."""
         k = self.knobs
-        e4m3 = "e4m3" in k["scale_dtype"]
-        per_tensor = PER_TENSOR in k["group_size"]
-        for name, dtypes, grouped in (
-            ("k_dtype", self.k_dtypes, "token" in k["k_scale_axis"]),
-            ("v_dtype", self.v_dtypes, True),
-        ):
+        for name, dtypes in (("k_dtype", self.k_dtypes), ("v_dtype", self.v_dtypes)):
             integer = [d for d in dtypes if d in ZERO_POINT_DTYPES]
-            if integer and (e4m3 or (per_tensor and grouped)):
+            groups = [g for g in k["group_size"] if g != PER_TENSOR]
+            if integer and (INTEGER_SCALE_DTYPE not in k["scale_dtype"] or not groups):
                 raise ConfigError(
                     _field(name),
                     list(dtypes),
-                    f"no {', '.join(integer)} while scale_dtype lists e4m3 or group_size lists "
-                    f"{PER_TENSOR} (integer formats need fp16 scales and a group)",
+                    f"no {', '.join(integer)} unless scale_dtype lists {INTEGER_SCALE_DTYPE} "
+                    "and group_size lists a size (integer formats need fp16 scales and a group)",
                 )
 
     def _check_knobs(self, arch: ModelArch) -> None:
@@ -246,13 +260,6 @@ class SearchConfig:
             )
         else:
             _check_each("csa_window", k["csa_window"], lambda w: _is_int(w, 0), "integers >= 0")
-        if "channel" in k["k_scale_axis"] and max(k["csa_ratio"]) > 1:
-            raise ConfigError(
-                _field("k_scale_axis"),
-                list(k["k_scale_axis"]),
-                "[token] while csa_ratio has candidates > 1 (per-channel keys need uncompressed "
-                "policies), or csa_ratio: [1]",
-            )
         _check_each(
             "chunk_size",
             k["chunk_size"],
@@ -324,12 +331,15 @@ class SearchSpace:
             knobs["csa_keep"] = 0.0
         if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
             knobs["csa_summary"] = _DEFAULTS.csa_summary
+        if knobs["csa_ratio"] > 1:
+            knobs["k_scale_axis"] = "token"  # channel scales need whole blocks, not summaries
         pairs = [""] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
             v = params.get(f"v_dtype_g{index}", self.config.v_dtypes[0])
             for layer in layers:
                 pairs[layer] = f"{k}/{v}"
+        _fit_integer_scales(knobs, pairs, self.config.knobs["group_size"])
         return canonical(KVPolicy.from_dict(knobs).replace(layer_dtypes=tuple(pairs)))
 
     def warm_starts(self) -> dict[str, dict[str, Any]]:
@@ -338,9 +348,9 @@ class SearchSpace:
         baseline: the most precise dtype everywhere, no compression; all-fp8; fp4 in the
         shallow half of the layers (by group mean depth) with fp8 in the deep half; K fp8 with
         V fp4; int4 with per-channel keys over 32-token blocks, values in groups of 64, both
-        Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py); fp8 with CSA 16:1 over a
-        256-token window and 32 blocks a query selected from the host tier
-        (benchmarks/compression.py). Other knobs take the
+        Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py); fp8 with a 256-token window
+        and 48 older blocks a query selected from the host tier, no summaries (Quest; 0.21 of
+        fp16's device bytes at 3K tokens, benchmarks/compression.py). Other knobs take the
         KVPolicy default where it is a candidate, else the first; a start whose own knob values
         are not candidates is left out.
         """
@@ -362,7 +372,7 @@ class SearchSpace:
             ],
             "k-fp8-v-fp4": [("fp8", "fp4")] * len(self.groups),
             "int4-k-channel-rotated": [("int4", "int4")] * len(self.groups),
-            "fp8-csa16-top32-host": [("fp8", "fp8")] * len(self.groups),
+            "fp8-w256-top48-host-no-summaries": [("fp8", "fp8")] * len(self.groups),
         }
         own_knobs = {
             "int4-k-channel-rotated": {
@@ -371,7 +381,12 @@ class SearchSpace:
                 "group_size": 64,
                 "block_size": 32,
             },
-            "fp8-csa16-top32-host": {"csa_ratio": 16, "csa_window": 256, "csa_topk": 32},
+            "fp8-w256-top48-host-no-summaries": {
+                "csa_ratio": 2,
+                "csa_window": 256,
+                "csa_topk": 48,
+                "csa_summary": NO_SUMMARY,
+            },
         }
         starts = {}
         for name, layout in layouts.items():

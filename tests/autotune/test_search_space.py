@@ -86,7 +86,8 @@ def test_params_are_per_group_dtypes_and_multi_candidate_knobs():
         ({"csa_window": [64]}, "search.csa_window"),  # < largest block 128 with compression
         ({"group_size": [16, 48]}, "search.group_size"),  # does not divide head_dim 64
         ({"k_dtype": ["fp16", "int5"]}, "search.k_dtype"),
-        ({"v_dtype": ["fp16", "int4"]}, "search.v_dtype"),  # with tensor and e4m3 candidates
+        ({"v_dtype": ["fp16", "int4"], "scale_dtype": ["e4m3"]}, "search.v_dtype"),
+        ({"k_dtype": ["fp16", "int3"], "group_size": ["tensor"]}, "search.k_dtype"),
         ({"rotation": ["none", "givens"]}, "search.rotation"),
         ({"layer_groups": 7}, "search.layer_groups"),
         ({"layer_groups": "some"}, "search.layer_groups"),
@@ -171,13 +172,31 @@ def test_layers_are_grouped_by_ascending_sensitivity():
     assert group_layers(scores, 1) == ((0, 1, 2, 3, 4, 5),)
 
 
-def test_channel_keys_are_searched_only_without_compression():
-    with pytest.raises(ConfigError, match=r"search.k_scale_axis.*csa_ratio"):
-        space(k_scale_axis=["token", "channel"])
-    search = space(k_scale_axis=["token", "channel"], csa_ratio=[1])
+def test_channel_keys_are_drawn_only_without_compression():
+    """Per-channel key scales need whole blocks (KVPolicy's rule): a compressed draw falls back
+    to token scales, so a space may list both axes beside compression."""
+    search = space(k_scale_axis=["token", "channel"], k_dtype=["fp8", "fp4"])
     assert search.distributions()["k_scale_axis"].choices == ("token", "channel")
-    axes = {policy.k_scale_axis for policy in valid_draws(search, 100, seed=2)}
-    assert axes == {"token", "channel"}
+    draws = valid_draws(search, 150, seed=2)
+    assert all(p.k_scale_axis == "token" for p in draws if p.compressed)
+    assert {p.k_scale_axis for p in draws if not p.compressed} == {"token", "channel"}
+
+
+def test_integer_draws_take_fp16_scales_and_a_group():
+    """Integer formats keep zero points in fp16 group scales: beside E4M3 and per-tensor
+    candidates, a draw with an integer stream takes fp16 scales and, where its integer codes
+    use groups, the smallest group size; draws without one keep what they drew."""
+    search = space(k_dtype=["fp8", "int4"], v_dtype=["fp4", "int3"], group_size=["tensor", 32, 16])
+    draws = valid_draws(search, 300, seed=3)
+    integer = [
+        p for p in draws if {"int4", "int3"} & {d for pair in p.layer_pairs(6) for d in pair}
+    ]
+    assert integer and all(p.scale_dtype == "fp16" for p in integer)
+    grouped = [p for p in integer if any(v == "int3" for _, v in p.layer_pairs(6))]
+    assert grouped and all(p.group_size in (16, 32) for p in grouped)
+    assert any(p.group_size == 16 for p in grouped)  # a per-tensor draw fell back to 16
+    others = [p for p in draws if p not in integer]
+    assert any(p.scale_dtype == "e4m3" for p in others)
 
 
 def test_canonical_drops_a_key_scale_axis_that_no_key_uses():
@@ -213,11 +232,16 @@ def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
     """csa_topk > 0 always comes with csa_host (selected blocks live there) and with
     compression; without compression the selection knobs fall back to their defaults."""
     search = space(
-        csa_ratio=[1, 16], csa_window=[256], csa_topk=[0, 32], block_size=[16], chunk_size=[256]
+        csa_ratio=[1, 2],
+        csa_window=[256],
+        csa_topk=[0, 48],
+        csa_summary=["pre_rope", "none"],
+        block_size=[16],
+        chunk_size=[256],
     )
-    policy = search.policy(search.warm_starts()["fp8-csa16-top32-host"])
-    assert (policy.csa_ratio, policy.csa_window, policy.csa_topk) == (16, 256, 32)
-    assert policy.csa_host and policy.csa_index == "bounds"
+    policy = search.policy(search.warm_starts()["fp8-w256-top48-host-no-summaries"])
+    assert (policy.csa_ratio, policy.csa_window, policy.csa_topk) == (2, 256, 48)
+    assert policy.csa_host and policy.csa_index == "bounds" and policy.csa_summary == "none"
     assert policy.layer_pairs(6) == [("fp8", "fp8")] * 6
     sampler = optuna.samplers.RandomSampler(seed=0)
     study = optuna.create_study(sampler=sampler)
@@ -226,7 +250,7 @@ def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
         assert drawn.csa_host == drawn.selects == (drawn.csa_topk > 0)
         if not drawn.compressed:
             assert (drawn.csa_topk, drawn.csa_index, drawn.csa_summary) == (0, "bounds", "pre_rope")
-    assert "fp8-csa16-top32-host" not in space().warm_starts()
+    assert "fp8-w256-top48-host-no-summaries" not in space().warm_starts()
 
 
 def test_kept_blocks_are_drawn_only_where_the_policy_rules_allow_them():
