@@ -77,6 +77,10 @@ POLICIES: dict[str, KVPolicy] = {
     "K int8 / V int4 rotated w256 + top80 host no summaries": _csa(
         K8V4, 2, 256, csa_topk=80, csa_host=True, csa_summary="none"
     ),
+    # The top-k at which the greedy needle matched fp16's with summaries (fp8 csa16 w256).
+    "K int8 / V int4 rotated w256 + top96 host no summaries": _csa(
+        K8V4, 2, 256, csa_topk=96, csa_host=True, csa_summary="none"
+    ),
     # The staging pool of a window of 128: 16 more blocks a query than at 256 for the same bytes.
     "K int8 / V int4 rotated w128 + top96 host no summaries": _csa(
         K8V4, 2, 128, csa_topk=96, csa_host=True, csa_summary="none"
