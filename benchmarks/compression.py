@@ -65,6 +65,11 @@ POLICIES: dict[str, KVPolicy] = {
         FP8, 16, 256, csa_topk=32, csa_host=True, csa_index="summaries"
     ),
     "fp8 csa16 w256 + top48 host": _csa(FP8, 16, 256, csa_topk=48, csa_host=True),
+    # Twice the blocks, with and without summaries: what the greedy needle needs.
+    "fp8 csa16 w256 + top96 host": _csa(FP8, 16, 256, csa_topk=96, csa_host=True),
+    "fp8 w256 + top96 host no summaries": _csa(
+        FP8, 2, 256, csa_topk=96, csa_host=True, csa_summary="none"
+    ),
     "int4 rotated csa16 w128 + top32 host": _csa(INT4, 16, 128, csa_topk=32, csa_host=True),
     # Without summaries (Quest): an older block a query does not select is not read; the
     # summary slots go to selected blocks.
