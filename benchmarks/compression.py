@@ -70,6 +70,10 @@ POLICIES: dict[str, KVPolicy] = {
     "fp8 w256 + top96 host no summaries": _csa(
         FP8, 2, 256, csa_topk=96, csa_host=True, csa_summary="none"
     ),
+    # The same with Hadamard-rotated keys and values: do rotated key bounds select worse?
+    "fp8 rotated w256 + top96 host no summaries": _csa(
+        FP8.replace(rotation="hadamard"), 2, 256, csa_topk=96, csa_host=True, csa_summary="none"
+    ),
     "int4 rotated csa16 w128 + top32 host": _csa(INT4, 16, 128, csa_topk=32, csa_host=True),
     # Without summaries (Quest): an older block a query does not select is not read; the
     # summary slots go to selected blocks.
