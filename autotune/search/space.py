@@ -18,7 +18,7 @@ from typing import Any
 import optuna
 from optuna.distributions import CategoricalDistribution
 
-from kernels.kv_format import QUANTIZED_DTYPES
+from kernels.kv_format import QUANTIZED_DTYPES, ZERO_POINT_SCALE_DTYPES
 from kernels.rotation import is_power_of_two
 from runtime.arch import ModelArch
 from runtime.errors import ConfigError
@@ -40,8 +40,6 @@ from runtime.policy import (
 )
 
 ALL_LAYERS = "all"
-# The scale dtype integer formats store their zero points in (KVPolicy's rule).
-INTEGER_SCALE_DTYPE = "fp16"
 # Precision order for warm starts: the first present is the "uncompressed" choice.
 PRECISION_ORDER = ("auto", "bf16", "fp16", "int8", "fp8", "fp4", "int4", "int3", "int2")
 KNOB_NAMES = (
@@ -89,19 +87,22 @@ def _can_skip_summaries(knobs: Mapping[str, Any]) -> bool:
 
 
 def _fit_integer_scales(
-    knobs: dict[str, Any], pairs: Sequence[str], group_sizes: Sequence[Any]
+    knobs: dict[str, Any], pairs: Sequence[str], candidates: Mapping[str, tuple[Any, ...]]
 ) -> None:
-    """Integer formats keep a zero point per group in an fp16 scale (KVPolicy's rule): a draw
-    that gives them E4M3 scales takes fp16 ones, and one that gives them a per-tensor group
-    where they use it (values, token-scaled keys) takes the smallest group size candidate.
-    So a space may list every dtype beside every scale setting and each draw stays valid."""
+    """Integer formats keep a zero point per group in the scale (KVPolicy's rule): a draw that
+    gives them a scale dtype without zero points (E4M3) takes the first candidate with them,
+    and one that gives them a per-tensor group where they use it (values, token-scaled keys)
+    takes the smallest group size candidate. So a space may list every dtype beside every
+    scale setting and each draw stays valid (`SearchConfig` checks such candidates exist)."""
     keys = {pair.split("/")[0] for pair in pairs} & set(ZERO_POINT_DTYPES)
     values = {pair.split("/")[1] for pair in pairs} & set(ZERO_POINT_DTYPES)
-    if keys or values:
-        knobs["scale_dtype"] = INTEGER_SCALE_DTYPE
+    if (keys or values) and knobs["scale_dtype"] not in ZERO_POINT_SCALE_DTYPES:
+        knobs["scale_dtype"] = next(
+            s for s in candidates["scale_dtype"] if s in ZERO_POINT_SCALE_DTYPES
+        )
     grouped = values or (keys and knobs["k_scale_axis"] == "token")
     if grouped and knobs["group_size"] == PER_TENSOR:
-        knobs["group_size"] = min(g for g in group_sizes if g != PER_TENSOR)
+        knobs["group_size"] = min(g for g in candidates["group_size"] if g != PER_TENSOR)
 
 
 def _candidates(name: str, value: object) -> tuple[Any, ...]:
@@ -169,19 +170,21 @@ class SearchConfig:
         return config
 
     def _check_integer_pairings(self) -> None:
-        """Integer dtypes keep a zero point per group in an fp16 scale: a space listing them
-        needs an fp16 scale candidate and a group size candidate for draws to fall back to
-        (`_fit_integer_scales`)."""
+        """Integer dtypes keep a zero point per group in the scale: a space listing them needs
+        a scale dtype candidate with zero points and a group size candidate for draws to fall
+        back to (`_fit_integer_scales`)."""
         k = self.knobs
+        has_zero_point_scale = any(s in ZERO_POINT_SCALE_DTYPES for s in k["scale_dtype"])
+        has_group = any(g != PER_TENSOR for g in k["group_size"])
         for name, dtypes in (("k_dtype", self.k_dtypes), ("v_dtype", self.v_dtypes)):
             integer = [d for d in dtypes if d in ZERO_POINT_DTYPES]
-            groups = [g for g in k["group_size"] if g != PER_TENSOR]
-            if integer and (INTEGER_SCALE_DTYPE not in k["scale_dtype"] or not groups):
+            if integer and not (has_zero_point_scale and has_group):
                 raise ConfigError(
                     _field(name),
                     list(dtypes),
-                    f"no {', '.join(integer)} unless scale_dtype lists {INTEGER_SCALE_DTYPE} "
-                    "and group_size lists a size (integer formats need fp16 scales and a group)",
+                    f"no {', '.join(integer)} unless scale_dtype lists one of "
+                    f"{', '.join(ZERO_POINT_SCALE_DTYPES)} and group_size lists a size "
+                    "(integer formats keep zero points in group scales)",
                 )
 
     def _check_knobs(self, arch: ModelArch) -> None:
@@ -339,7 +342,7 @@ class SearchSpace:
             v = params.get(f"v_dtype_g{index}", self.config.v_dtypes[0])
             for layer in layers:
                 pairs[layer] = f"{k}/{v}"
-        _fit_integer_scales(knobs, pairs, self.config.knobs["group_size"])
+        _fit_integer_scales(knobs, pairs, self.config.knobs)
         return canonical(KVPolicy.from_dict(knobs).replace(layer_dtypes=tuple(pairs)))
 
     def warm_starts(self) -> dict[str, dict[str, Any]]:
