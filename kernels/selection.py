@@ -7,9 +7,10 @@ different blocks) the csa_topk blocks it scores best among those it sees, and re
 exactly; the summaries of those blocks are then hidden from it, so that no block counts twice.
 Two indexes:
 - bounds (Quest): one slot a block holding the per-channel max (in K) and min (in V) of its
-  keys. sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a
-  block holding the one key a query matches scores high whatever its other keys; a query head
-  group scores a block by the largest bound of its query heads.
+  keys, in the cache's rotated space or in the model's basis (a separate index pool).
+  sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a block
+  holding the one key a query matches scores high whatever its other keys; a query head group
+  scores a block by the largest bound of its query heads.
 - summaries (NSA's compressed branch): the block's pooled keys. Each query head's softmax over
   all summaries it sees, summed over the block's summaries and the KV head's query heads. No
   extra bytes, but the mean of r keys dilutes the one key a query looks for.
@@ -28,14 +29,23 @@ import torch
 from kernels.attention import PagedStream
 from kernels.attention_torch import group_keys, query_groups
 from kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
+from kernels.rotation import Rotation, unrotate
 
 
 def write_key_bounds(
-    keys: KVPool, blocks: torch.Tensor, hi_pool: KVPool, lo_pool: KVPool, slots: torch.Tensor
+    keys: KVPool,
+    blocks: torch.Tensor,
+    hi_pool: KVPool,
+    lo_pool: KVPool,
+    slots: torch.Tensor,
+    rotation: Rotation | None = None,
 ) -> None:
-    """The per-channel max and min of the keys of each of `blocks` (in the cache's space),
-    written to slots[i] of hi_pool (the K pool) and lo_pool (the V pool) in their formats."""
+    """The per-channel max and min of the keys of each of `blocks`, written to slots[i] of
+    hi_pool and lo_pool in their formats: in the cache's space, or in the model's basis when
+    the cache is rotated by `rotation` (un-rotated first; queries are then scored unrotated)."""
     vectors = read_blocks_ref(keys, blocks.long()[:, None])  # [M, block_size, H, D]
+    if rotation is not None:
+        vectors = unrotate(vectors, rotation)
     write_vectors_ref(hi_pool, slots, vectors.amax(dim=1))
     write_vectors_ref(lo_pool, slots, vectors.amin(dim=1))
 

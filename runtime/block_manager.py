@@ -15,7 +15,8 @@ prefill position sees what decode shows it) and after the step with upto = all t
 that leave a stream before the attention stay readable until `release`: `SequenceKV.retiring`
 lists them, and the cache shows each to the positions that decode would show it to.
 With selection (policy.selects) a block pooled into summaries is also copied into the host
-tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), and the sequence
+tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), its key bounds go to
+a slot of the index pool (`SequenceKV.bound_blocks`, block_size slots a block), and the sequence
 holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer fetches the
 blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host block whose
 head slice each staging block holds). Without summaries (csa_summary none) a block leaving the
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 MAIN = "main"
 RECENT = "recent"
 HOST = "host"
+INDEX = "index"
 
 
 class BlockPool:
@@ -140,7 +142,8 @@ class BlockCopy:
 
     ratio 1 is a (re)quantizing copy, used when a block leaves the fp16 recent region, or the
     copy of a pooled block into the host tier (which leaves the source to its pooling copy).
-    op "bounds" writes the block's per-channel key max (K) and min (V) into one slot instead.
+    op "bounds" writes the block's per-channel key max (K) and min (V) into one slot of the
+    index pool instead.
     The source block is released once every layer has executed the copy, if frees_source.
     """
 
@@ -158,6 +161,7 @@ class BlockNeeds:
     main: int
     recent: int
     host: int = 0
+    index: int = 0
 
 
 class BlockManager:
@@ -169,12 +173,14 @@ class BlockManager:
         num_main_blocks: int,
         num_recent_blocks: int,
         num_host_blocks: int = 0,
+        num_index_blocks: int = 0,
     ) -> None:
         self.policy = policy
         self.pools = {
             MAIN: BlockPool(num_main_blocks),
             RECENT: BlockPool(num_recent_blocks),
             HOST: BlockPool(num_host_blocks),
+            INDEX: BlockPool(num_index_blocks),
         }
         self.tail_kind = RECENT if policy.recent_tail else MAIN
 
@@ -212,7 +218,7 @@ class BlockManager:
         peak_main = newly_compressed + max(
             self._main_blocks_before_attention(end), after.quantized + after.summary
         )
-        peak_main += after.staging + after.bounds + after.kept
+        peak_main += after.staging + after.kept
         peak_recent = held[RECENT]
         if self.tail_kind == RECENT:
             peak_recent += self._new_tail_blocks(kv, num_new)
@@ -220,6 +226,7 @@ class BlockManager:
             main=max(0, peak_main - held[MAIN]),
             recent=max(0, peak_recent - held[RECENT]),
             host=max(0, after.host - held[HOST]),
+            index=max(0, after.bounds - held[INDEX]),
         )
 
     def _main_blocks_before_attention(self, end: int) -> int:
@@ -240,16 +247,15 @@ class BlockManager:
             need.main <= self.pools[MAIN].num_free
             and need.recent <= self.pools[RECENT].num_free
             and need.host <= self.pools[HOST].num_free
+            and need.index <= self.pools[INDEX].num_free
         )
 
     def held(self, kv: SequenceKV) -> dict[str, int]:
         counts = {
-            MAIN: len(kv.summary_blocks)
-            + len(kv.staging_blocks)
-            + len(kv.bound_blocks)
-            + len(kv.keep_blocks),
+            MAIN: len(kv.summary_blocks) + len(kv.staging_blocks) + len(kv.keep_blocks),
             RECENT: 0,
             HOST: len(kv.host_blocks),
+            INDEX: len(kv.bound_blocks),
         }
         for block in kv.sinks.blocks + kv.window.blocks:
             counts[block.kind] += 1
@@ -335,11 +341,17 @@ class BlockManager:
         if self.policy.csa_index == "bounds":
             index = len(kv.host_blocks) - 1
             if index // bs == len(kv.bound_blocks):
-                kv.bound_blocks.append(self.pools[MAIN].allocate())
+                kv.bound_blocks.append(self.pools[INDEX].allocate())
             slot = kv.bound_blocks[index // bs] * bs + index % bs
             copies.append(
                 BlockCopy(
-                    source.kind, source.block_id, (slot,), bs, frees_source=False, op="bounds"
+                    source.kind,
+                    source.block_id,
+                    (slot,),
+                    bs,
+                    INDEX,
+                    frees_source=False,
+                    op="bounds",
                 )
             )
         return copies
@@ -386,8 +398,10 @@ class BlockManager:
         """Return every block of a finished or preempted sequence."""
         for block in kv.sinks.blocks + kv.window.blocks:
             self.pools[block.kind].release(block.block_id)
-        for block_id in kv.summary_blocks + kv.staging_blocks + kv.bound_blocks + kv.keep_blocks:
+        for block_id in kv.summary_blocks + kv.staging_blocks + kv.keep_blocks:
             self.pools[MAIN].release(block_id)
+        for block_id in kv.bound_blocks:
+            self.pools[INDEX].release(block_id)
         for block_id in kv.host_blocks:
             self.pools[HOST].release(block_id)
         kv.sinks.blocks.clear()

@@ -19,7 +19,7 @@ import torch
 
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
-from runtime.block_manager import MAIN, RECENT, BlockManager, SequenceKV
+from runtime.block_manager import INDEX, MAIN, RECENT, BlockManager, SequenceKV
 from runtime.errors import ConfigError
 from runtime.kv_bytes import ceil_div, sequence_blocks
 from runtime.kv_cache import KVCache, block_bytes
@@ -79,6 +79,7 @@ class PoolSizes:
     recent_blocks: int
     step_tokens: int
     host_blocks: int = 0
+    index_blocks: int = 0
 
 
 def host_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
@@ -90,6 +91,13 @@ def host_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
     return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).host
 
 
+def index_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
+    """Key-bounds index blocks: those of max_num_seqs full-length sequences. They cost
+    1 / block_size of the host tier's block count, so they are reserved whole, beside the
+    main pool, rather than competing with it."""
+    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).bounds
+
+
 def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:
     """Blocks of each pool for the budget; refuses a budget below one full-length sequence.
 
@@ -99,19 +107,21 @@ def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolS
     sizes = block_bytes(arch, policy)
     recent = recent_pool_blocks(policy, config.max_num_seqs, step_tokens)
     one_sequence = main_blocks_for_one_sequence(policy, config.max_model_len, step_tokens)
+    index = index_pool_blocks(policy, config)
+    reserved = recent * sizes[RECENT] + index * sizes[INDEX]
     budget = config.kv_budget_bytes
     if budget is None:
-        budget = config.max_num_seqs * one_sequence * sizes[MAIN] + recent * sizes[RECENT]
-    main = (budget - recent * sizes[RECENT]) // sizes[MAIN]
+        budget = config.max_num_seqs * one_sequence * sizes[MAIN] + reserved
+    main = (budget - reserved) // sizes[MAIN]
     if main < one_sequence:
-        needed = one_sequence * sizes[MAIN] + recent * sizes[RECENT]
+        needed = one_sequence * sizes[MAIN] + reserved
         raise ConfigError(
             "kv_budget_bytes",
             budget,
             f">= {needed} bytes: one {config.max_model_len}-token sequence under this policy "
             "(raise the budget, lower max_model_len, or quantize/compress more)",
         )
-    return PoolSizes(main, recent, step_tokens, host_pool_blocks(policy, config))
+    return PoolSizes(main, recent, step_tokens, host_pool_blocks(policy, config), index)
 
 
 class Engine:
@@ -135,7 +145,7 @@ class Engine:
         sizes = pool_sizes(arch, policy, config)
         self.block_bytes = block_bytes(arch, policy)
         self.blocks = BlockManager(
-            policy, sizes.main_blocks, sizes.recent_blocks, sizes.host_blocks
+            policy, sizes.main_blocks, sizes.recent_blocks, sizes.host_blocks, sizes.index_blocks
         )
         self.cache = KVCache(arch, policy, self.blocks, ops, tensor_scales, device, model.inv_freq)
         self.scheduler = Scheduler(
@@ -195,7 +205,7 @@ class Engine:
 
     def _held_bytes(self, kv: SequenceKV) -> int:
         held = self.blocks.held(kv)
-        return held[MAIN] * self.block_bytes[MAIN] + held[RECENT] * self.block_bytes[RECENT]
+        return sum(held[kind] * self.block_bytes[kind] for kind in (MAIN, RECENT, INDEX))
 
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that finished in it."""

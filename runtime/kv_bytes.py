@@ -19,8 +19,9 @@ With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy 
 tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
 host bytes the tier. With csa_index = bounds each pooled block also keeps one device slot of
-key bounds (max in K, min in V) in the layer's format, packed block_size to a block. Without
-summaries (csa_summary none) the summary stream is empty.
+key bounds (max in K, min in V), packed block_size to a block of the index pool: in the
+layer's formats (csa_index_dtype auto) or in the index dtype. Without summaries (csa_summary
+none) the summary stream is empty.
 With importance keeping (csa_keep) a sequence holds csa_keep * KEEP_GROUP device blocks for every
 group of KEEP_GROUP pooled blocks, counted from the group's first: each layer and KV head copies
 into them the group's blocks that received the most attention (their summaries stay too).
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 from kernels.kv_format import KVFormat
 from runtime.arch import ModelArch
-from runtime.policy import KEEP_GROUP, KVPolicy
+from runtime.policy import INDEX_GROUP, KEEP_GROUP, KVPolicy
 
 RECENT_DTYPE = "fp16"
 
@@ -63,14 +64,14 @@ class SequenceBlocks:
 
     @property
     def main(self) -> int:
-        """Device blocks in the layer's format: exact, summaries, key bounds, the staging pool
-        and importance-kept blocks."""
-        return self.quantized + self.summary + self.staging + self.bounds + self.kept
+        """Device blocks in the layer's format: exact, summaries, the staging pool and
+        importance-kept blocks."""
+        return self.quantized + self.summary + self.staging + self.kept
 
     @property
     def total(self) -> int:
         """Device blocks of every kind."""
-        return self.main + self.recent
+        return self.main + self.recent + self.bounds
 
 
 def exact_extents(policy: KVPolicy, num_tokens: int) -> list[StreamExtent]:
@@ -146,16 +147,27 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
 
 @dataclass(frozen=True)
 class LayerFormats:
-    """Storage formats of one layer: K and V in the layer's dtypes, and the fp16 recent region."""
+    """Storage formats of one layer: K and V in the layer's dtypes, the fp16 recent region, and
+    the key-bounds index (max in k_index, min in v_index)."""
 
     k: KVFormat
     v: KVFormat
     k_recent: KVFormat
     v_recent: KVFormat
+    k_index: KVFormat
+    v_index: KVFormat
 
 
 def _recent_format(fmt: KVFormat) -> KVFormat:
     return KVFormat(RECENT_DTYPE) if fmt.quantized else fmt
+
+
+def index_format(dtype: str) -> KVFormat:
+    """The format of a separate key-bounds index in `dtype` (fp16 plain; quantized dtypes in
+    groups of INDEX_GROUP channels with fp16 scales)."""
+    if dtype == RECENT_DTYPE:
+        return KVFormat(dtype)
+    return KVFormat(dtype, INDEX_GROUP, "fp16")
 
 
 def layer_formats(arch: ModelArch, policy: KVPolicy) -> list[LayerFormats]:
@@ -165,7 +177,10 @@ def layer_formats(arch: ModelArch, policy: KVPolicy) -> list[LayerFormats]:
     for k_dtype, v_dtype in policy.layer_pairs(arch.num_layers):
         k = policy.kv_format(k_dtype, arch.dtype, keys=True)
         v = policy.kv_format(v_dtype, arch.dtype)
-        formats.append(LayerFormats(k, v, _recent_format(k), _recent_format(v)))
+        k_index, v_index = k, v
+        if policy.separate_index:
+            k_index = v_index = index_format(policy.csa_index_dtype)
+        formats.append(LayerFormats(k, v, _recent_format(k), _recent_format(v), k_index, v_index))
     return formats
 
 
@@ -194,7 +209,9 @@ def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) ->
     for f in layer_formats(arch, policy):
         layer_block = layer_block_bytes(arch, f.k, f.v, bs)
         recent_block = layer_block_bytes(arch, f.k_recent, f.v_recent, bs)
+        index_block = layer_block_bytes(arch, f.k_index, f.v_index, bs)
         total += blocks.main * layer_block + blocks.recent * recent_block
+        total += blocks.bounds * index_block
     return total
 
 

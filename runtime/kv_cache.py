@@ -16,7 +16,9 @@ pooled form to exactly the positions that decode would show it to.
 
 CSA selection (policy.selects): each older block keeps its exact copy in a host tier, and in
 every layer each query reads exactly the csa_topk blocks it selects by their key bounds or
-summaries (kernels/selection.py), the summaries of the others (none without summaries). A
+summaries (kernels/selection.py), the summaries of the others (none without summaries). Key
+bounds live in a per-layer index pool: in the layer's formats and rotated space, or (a
+separate csa_index_dtype) in the model's basis, scored with the unrotated queries. A
 prefill chunk reads the selected blocks where they are (each query its own choice, by mask); a
 decode step fetches them into the sequence's staging blocks, reusing those still there, and
 counts the bytes it moved.
@@ -41,7 +43,16 @@ from kernels.rotation import Rotation, rotate, rotate_queries, rotation_matrix, 
 from kernels.selection import select_blocks, write_key_bounds
 from runtime.arch import ModelArch
 from runtime.backends import CacheOps
-from runtime.block_manager import HOST, MAIN, RECENT, Block, BlockCopy, BlockManager, SequenceKV
+from runtime.block_manager import (
+    HOST,
+    INDEX,
+    MAIN,
+    RECENT,
+    Block,
+    BlockCopy,
+    BlockManager,
+    SequenceKV,
+)
 from runtime.clip_counter import ClipCounter, range_limit
 from runtime.kept_blocks import KeptBlocks
 from runtime.kv_bytes import layer_block_bytes, layer_formats
@@ -50,7 +61,7 @@ from runtime.policy import KVPolicy
 
 @dataclass(frozen=True)
 class LayerPools:
-    """K and V pools of one layer, by block kind (MAIN, and RECENT when used)."""
+    """K and V pools of one layer, by block kind (MAIN, and RECENT, HOST, INDEX when used)."""
 
     k: dict[str, KVPool]
     v: dict[str, KVPool]
@@ -122,6 +133,7 @@ def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
     return {
         MAIN: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in formats),
         RECENT: sum(layer_block_bytes(arch, f.k_recent, f.v_recent, bs) for f in formats),
+        INDEX: sum(layer_block_bytes(arch, f.k_index, f.v_index, bs) for f in formats),
     }
 
 
@@ -173,6 +185,15 @@ class KVCache:
                 v_pools[RECENT] = KVPool.allocate(
                     formats.v_recent, counts[RECENT], bs, heads, size, None, device
                 )
+            if counts[INDEX]:
+                for pools, fmt, scale in (
+                    (k_pools, formats.k_index, k_scale),
+                    (v_pools, formats.v_index, v_scale),
+                ):
+                    scale = None if policy.separate_index else scale
+                    pools[INDEX] = KVPool.allocate(
+                        fmt, counts[INDEX], bs, heads, size, scale, device
+                    )
             if counts[HOST]:
                 for pools, fmt, scale in (
                     (k_pools, formats.k, k_scale),
@@ -270,7 +291,7 @@ class KVCache:
                 rows[("host", HOST)].append(host)
             if self.policy.selects and self.policy.csa_index == "bounds":
                 bounds = (kv.bound_blocks, len(kv.host_blocks), self.policy.csa_sinks)
-                rows[("bounds", MAIN)].append(bounds)
+                rows[("bounds", INDEX)].append(bounds)
         specs = []
         for (name, kind), per_seq in rows.items():
             if not any(length for _, length, _ in per_seq):
@@ -321,9 +342,10 @@ class KVCache:
                 write_key_bounds(
                     pools.k[group.src_kind],
                     group.src_blocks,
-                    pools.k[MAIN],
-                    pools.v[MAIN],
+                    pools.k[INDEX],
+                    pools.v[INDEX],
                     group.dst_slots,
+                    self.rotations[layer] if self.policy.separate_index else None,
                 )
                 continue
             for by_kind, align in ((pools.k, self.alignments[layer]), (pools.v, None)):
@@ -361,6 +383,7 @@ class KVCache:
     ) -> torch.Tensor:
         """Write this step's K/V of one layer, then attend its queries over the cache."""
         dtype, rotation = q.dtype, self.rotations[layer]
+        q_model = q  # a separate key-bounds index is scored in the model's basis
         if rotation is not None:  # q.k is unchanged; the output is rotated back below
             q, k = rotate_queries(q, rotation), rotate(k, rotation)
             v = rotate(v, rotation) if rotation.rotates_values else v
@@ -384,10 +407,11 @@ class KVCache:
             for spec in layout.streams
         }
         positions = None if layout.decode_only else layout.q_positions
-        index = streams.pop("bounds" + MAIN, None)  # read by selection, not attended
+        index = streams.pop("bounds" + INDEX, None)  # read by selection, not attended
         index = index or streams.get("summary" + MAIN)
         if index is not None and self.policy.selects:
-            self._select(layer, layout, q, positions, scale, streams, index)
+            scored = q_model if self.policy.separate_index else q
+            self._select(layer, layout, scored, positions, scale, streams, index)
         if self.kept is not None:
             self._keep(layer, layout, q, scale, streams)
         out = self.ops.attention(
@@ -442,7 +466,8 @@ class KVCache:
         streams: dict[str, PagedStream],
         index: PagedStream,
     ) -> None:
-        """Each query's csa_topk older blocks, scored on `index` (key bounds or summaries):
+        """Each query's csa_topk older blocks, scored on `index` (key bounds or summaries) with
+        q in the index's basis:
         their summaries (if any) hidden from it, their exact form shown (in place in the host
         tier for a prefill step, fetched for a decode step)."""
         policy = self.policy

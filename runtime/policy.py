@@ -58,6 +58,15 @@ CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
 # slot a block: the max in K, the min in V), or its summaries (no extra bytes, but a mean
 # dilutes the one token a query looks for).
 CSA_INDEXES: tuple[str, ...] = ("bounds", "summaries")
+# Where key bounds are kept: auto, in the layer's own K and V formats and its rotated space; or a
+# separate index pool in the model's own basis (where RoPE's outlier channels make Quest's bound
+# sharp) in one of these dtypes, whatever the layer's formats (so per-channel keys, which are
+# quantized a whole block at a time, can sit beside selection).
+INDEX_IN_LAYER_FORMAT = "auto"
+CSA_INDEX_DTYPES: tuple[str, ...] = (INDEX_IN_LAYER_FORMAT, "fp16", "fp8", "int8", "int4")
+# Channels sharing one fp16 scale in a quantized separate index: bounds in the model's basis
+# keep RoPE's outlier channels, which one scale a vector would flatten.
+INDEX_GROUP = 32
 # Older blocks are kept by importance in groups of this many consecutive blocks: csa_keep of
 # each group stays exact, decided when the group's first block leaves the window.
 KEEP_GROUP = 8
@@ -143,6 +152,10 @@ class KVPolicy:
     csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
         its per-channel key max and min, kept in one device slot a block; Quest) or summaries
         (the attention its summaries get; no extra bytes).
+    csa_index_dtype: where key bounds live: auto (one slot a block in the layer's K and V
+        pools, in its formats and rotated space), or fp16, fp8, int8 or int4: a separate index
+        pool in the model's basis (groups of 32 channels with fp16 scales for the 8- and 4-bit
+        dtypes), which per-channel keys need beside selection.
     csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
         CPU has a second pool), from which selected blocks are fetched into a device staging
         pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
@@ -180,6 +193,7 @@ class KVPolicy:
     csa_summary: str = "pre_rope"
     csa_topk: int = 0
     csa_index: str = "bounds"
+    csa_index_dtype: str = INDEX_IN_LAYER_FORMAT
     csa_host: bool = False
     csa_keep: float = 0.0
     block_size: int = 16
@@ -299,18 +313,20 @@ class KVPolicy:
                 ratio,
                 f"a power of two up to block_size={self.block_size}: {', '.join(map(str, ratios))}",
             )
-        if ratio > 1 and self.k_scale_axis == "channel":
-            raise ConfigError(
-                _field("k_scale_axis"),
-                self.k_scale_axis,
-                "token when csa_ratio > 1 (summary keys are pooled one at a time; per-channel "
-                "scales need whole blocks)",
-            )
         if self.csa_summary not in CSA_SUMMARIES:
             raise ConfigError(
                 _field("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
             )
         self._check_selection()
+        channel = self.k_scale_axis == "channel"
+        if ratio > 1 and channel and (self.summarises or not self.separate_index):
+            raise ConfigError(
+                _field("k_scale_axis"),
+                self.k_scale_axis,
+                "token when csa_ratio > 1, unless csa_summary is none with a csa_index_dtype "
+                "other than auto (summaries and in-pool key bounds are written one vector at a "
+                "time; per-channel scales need whole blocks)",
+            )
         self._check_keep()
         if ratio > 1 and self.csa_window < self.block_size:
             raise ConfigError(
@@ -330,6 +346,21 @@ class KVPolicy:
             )
         if not isinstance(self.csa_host, bool):
             raise ConfigError(_field("csa_host"), self.csa_host, "true or false")
+        if self.csa_index_dtype not in CSA_INDEX_DTYPES:
+            raise ConfigError(
+                _field("csa_index_dtype"),
+                self.csa_index_dtype,
+                f"one of {', '.join(CSA_INDEX_DTYPES)}",
+            )
+        if self.csa_index_dtype != INDEX_IN_LAYER_FORMAT and (
+            not self.csa_topk or self.csa_index != "bounds"
+        ):
+            raise ConfigError(
+                _field("csa_index_dtype"),
+                self.csa_index_dtype,
+                f"{INDEX_IN_LAYER_FORMAT} unless csa_topk > 0 with csa_index bounds (it stores "
+                "the key bounds selection scores)",
+            )
         if self.csa_topk and self.csa_ratio == 1:
             raise ConfigError(
                 _field("csa_topk"),
@@ -411,6 +442,11 @@ class KVPolicy:
         return self.csa_topk > 0
 
     @property
+    def separate_index(self) -> bool:
+        """Whether key bounds live in their own index pool (csa_index_dtype not auto)."""
+        return self.csa_index_dtype != INDEX_IN_LAYER_FORMAT
+
+    @property
     def compressed(self) -> bool:
         return self.csa_ratio > 1
 
@@ -482,6 +518,14 @@ class KVPolicy:
                 )
         if self.rotation != NO_ROTATION:
             self._check_rotation(arch)
+        if self.separate_index and (arch.is_mla or size % INDEX_GROUP):
+            raise ConfigError(
+                _field("csa_index_dtype"),
+                self.csa_index_dtype,
+                f"{INDEX_IN_LAYER_FORMAT} on this model (a separate index needs K and V heads "
+                f"whose head_dim is a multiple of {INDEX_GROUP}; it has head_dim={size}"
+                f"{', MLA' if arch.is_mla else ''})",
+            )
         if arch.is_mla and any(k != v for k, v in pairs):
             raise ConfigError(
                 _field("v_dtype"),

@@ -12,6 +12,7 @@ import torch
 from kernels.attention import PagedStream
 from kernels.kv_format import KVFormat
 from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
+from kernels.rotation import Rotation
 from kernels.selection import select_blocks, write_key_bounds
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
@@ -134,3 +135,29 @@ def test_key_bounds_hold_every_key_of_their_block():
         bottom = read_vectors_ref(lo, torch.tensor([slot]))[0]
         assert torch.equal(top, mine.max(dim=0).values)
         assert torch.equal(bottom, mine.min(dim=0).values)
+
+
+def test_key_bounds_of_a_rotated_cache_are_taken_in_the_models_basis():
+    """A cache holding keys x Q (Q a random orthogonal matrix, made here by QR) yields the
+    per-channel max and min of x itself when its rotation is given: the model's basis, where
+    RoPE's outlier channels keep Quest's bound sharp."""
+    generator = torch.Generator().manual_seed(4)
+    basis, _ = torch.linalg.qr(
+        torch.randn(HEAD_DIM, HEAD_DIM, generator=generator, dtype=torch.float64)
+    )
+    keys = KVPool.allocate(KVFormat("fp32"), 2, BLOCK, KV_HEADS, HEAD_DIM)
+    model_keys = torch.randn(keys.num_slots, KV_HEADS, HEAD_DIM, generator=generator)
+    cached = (model_keys.double() @ basis).float()
+    write_vectors_ref(keys, torch.arange(keys.num_slots), cached)
+    hi = KVPool.allocate(KVFormat("fp32"), 1, BLOCK, KV_HEADS, HEAD_DIM)
+    lo = KVPool.allocate(KVFormat("fp32"), 1, BLOCK, KV_HEADS, HEAD_DIM)
+    rotation = Rotation(basis.float())
+    write_key_bounds(keys, torch.tensor([1]), hi, lo, torch.tensor([3]), rotation)
+    mine = model_keys[BLOCK : 2 * BLOCK]
+    top = read_vectors_ref(hi, torch.tensor([3]))[0]
+    bottom = read_vectors_ref(lo, torch.tensor([3]))[0]
+    torch.testing.assert_close(top, mine.max(dim=0).values, atol=1e-5, rtol=0)
+    torch.testing.assert_close(bottom, mine.min(dim=0).values, atol=1e-5, rtol=0)
+    # Without the rotation they are the cached (rotated) keys' bounds, a different vector.
+    write_key_bounds(keys, torch.tensor([1]), hi, lo, torch.tensor([3]))
+    assert (read_vectors_ref(hi, torch.tensor([3]))[0] - top).abs().max() > 0.1

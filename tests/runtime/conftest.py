@@ -1,6 +1,7 @@
 """Model folders for runtime tests: tiny random Llama-family models and the embedded SmolLM2.
 
-Tiny models are built from transformers' config classes with random weights (no downloads) and
+Tiny models are built from transformers' config classes with random weights drawn here from a
+fixed seed (the same bits under every transformers release; no downloads) and
 saved as safetensors with a word-level tokenizer, so they load through the same path as any
 local Hugging Face folder.
 """
@@ -18,6 +19,7 @@ from tokenizers.pre_tokenizers import Whitespace
 from runtime.model_source import resolve_model
 
 TINY_VOCAB = 96
+INIT_STD = 0.02  # transformers' initializer_range: weights N(0, 0.02^2), biases 0, norms 1
 
 
 def tiny_config(kind: str):
@@ -54,8 +56,16 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
 def build_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # our own draw: transformers' initialisation order changes by release
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
     model.save_pretrained(folder, safe_serialization=True)
     save_word_tokenizer(folder, TINY_VOCAB)
     return folder

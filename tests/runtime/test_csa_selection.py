@@ -163,10 +163,15 @@ def quest_attention(
     return out
 
 
-def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(tiny_llama):
+@pytest.mark.parametrize("index_dtype", ["auto", "fp16"])
+def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(
+    tiny_llama, index_dtype
+):
     """The first layer's attention output over a chunked prefill equals Quest's rule computed
-    here from the q, k and v the attention received; no summaries are held."""
-    llm = LLM(str(tiny_llama), policy=QUEST, max_model_len=256)
+    here from the q, k and v the attention received; no summaries are held. The key bounds
+    live in the fp16 K/V pools (auto) or in a separate fp16 index: the same bounds."""
+    policy = QUEST.replace(csa_index_dtype=index_dtype)
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
     engine = llm.engine
     seen = []
     original = KVCache.attend

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from runtime import LLM
-from runtime.block_manager import HOST
+from runtime.block_manager import HOST, INDEX, MAIN, RECENT
 from runtime.errors import ConfigError
 from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
 from runtime.policy import KVPolicy
@@ -169,6 +169,17 @@ POLICIES_FOR_BYTES = [
     SELECTING.replace(k_dtype="int4", csa_topk=2, chunk_size=24),
     # Selection without summaries: the host tier, staging pool and key bounds alone.
     SELECTING.replace(csa_summary="none", csa_topk=2, recent_unquantized=8, chunk_size=24),
+    # Selection beside rotated per-channel int4 keys, with the key bounds in an int4 index.
+    SELECTING.replace(
+        k_dtype="int4",
+        v_dtype="int4",
+        k_scale_axis="channel",
+        csa_summary="none",
+        csa_topk=2,
+        csa_index_dtype="int4",
+        rotation="hadamard",
+        chunk_size=24,
+    ),
     # Importance-kept blocks beside summaries, demoted from a recent region first.
     KVPolicy(
         "fp8",
@@ -189,6 +200,11 @@ POLICIES_FOR_BYTES = [
 def test_held_bytes_equal_planner_bytes_after_every_step(tiny_llama, policy):
     llm = LLM(str(tiny_llama), policy=policy, max_model_len=160, max_num_seqs=3)
     engine = llm.engine
+    # The planner's bytes a block of each device kind are what the pool tensors take.
+    device_kinds = (MAIN, RECENT, INDEX)
+    assert engine.cache.allocated_bytes == sum(
+        engine.blocks.pools[kind].num_blocks * engine.block_bytes[kind] for kind in device_kinds
+    )
     for i, n in enumerate((37, 61, 5)):
         engine.add_request(random_tokens(n, seed=i), max_new_tokens=20)
     checked = 0

@@ -193,6 +193,15 @@ def test_selection_counts_staging_and_bounds_on_the_device_and_the_pooled_blocks
     quest = policy.replace(csa_summary="none")
     assert kv_bytes_per_sequence(SMOL, quest, 2048) == device - 7 * block
     assert host_kv_bytes_per_sequence(SMOL, quest, 2048) == pooled * block
+    # Bounds in a separate int4 index: a vector of 64 channels is 32 code bytes + 2 groups of
+    # 32 x (fp16 scale + fp16 zero point) = 40 B, a block of bound slots of one layer
+    # 16 x 3 x 2 x 40 = 3,840 B (in place of 6,528 B in the layers' fp8).
+    int4_index = quest.replace(csa_index_dtype="int4")
+    index_block = 16 * 3 * 2 * (32 + 2 * 4) * 30
+    assert kv_bytes_per_sequence(SMOL, int4_index, 2048) == device - 14 * block + 7 * index_block
+    fp16_index = quest.replace(csa_index_dtype="fp16")
+    index_block = 16 * 3 * 2 * 128 * 30
+    assert kv_bytes_per_sequence(SMOL, fp16_index, 2048) == device - 14 * block + 7 * index_block
     # Before any block leaves the window: no host tier, no staging, no bounds.
     assert host_kv_bytes_per_sequence(SMOL, policy, 272) == 0
     assert kv_bytes_per_sequence(SMOL, policy, 272) == 17 * block

@@ -58,6 +58,42 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
             },
             "policy.csa_summary",
         ),
+        ({"csa_index_dtype": "fp4"}, "policy.csa_index_dtype"),
+        ({"csa_ratio": 4, "csa_index_dtype": "int4"}, "policy.csa_index_dtype"),
+        (
+            {
+                "csa_ratio": 4,
+                "csa_topk": 8,
+                "csa_host": True,
+                "csa_index": "summaries",
+                "csa_index_dtype": "fp8",
+            },
+            "policy.csa_index_dtype",
+        ),
+        # Per-channel keys beside compression: only without summaries, bounds in an index.
+        ({"k_dtype": "int4", "k_scale_axis": "channel", "csa_ratio": 4}, "policy.k_scale_axis"),
+        (
+            {
+                "k_dtype": "int4",
+                "k_scale_axis": "channel",
+                "csa_ratio": 2,
+                "csa_summary": "none",
+                "csa_topk": 8,
+                "csa_host": True,
+            },
+            "policy.k_scale_axis",
+        ),
+        (
+            {
+                "k_dtype": "int4",
+                "k_scale_axis": "channel",
+                "csa_ratio": 2,
+                "csa_topk": 8,
+                "csa_host": True,
+                "csa_index_dtype": "int4",
+            },
+            "policy.k_scale_axis",
+        ),
         ({"boundary_layers": -1}, "policy.boundary_layers"),
         ({"boundary_layers": True}, "policy.boundary_layers"),
     ],
@@ -190,3 +226,27 @@ def test_unknown_key_is_refused_with_the_known_fields():
 
 def test_hydra_default_matches_the_dataclass_default():
     assert yaml.safe_load(CONF_POLICY.read_text()) == KVPolicy().to_dict()
+
+
+def test_per_channel_keys_sit_beside_selection_with_bounds_in_a_separate_index():
+    policy = KVPolicy(
+        k_dtype="int4",
+        v_dtype="int4",
+        group_size=64,
+        k_scale_axis="channel",
+        rotation="hadamard",
+        csa_ratio=2,
+        csa_window=128,
+        csa_summary="none",
+        csa_topk=40,
+        csa_host=True,
+        csa_index_dtype="int4",
+    )
+    policy.check_model(SMOL)
+    odd = ModelArch("odd", 2, 4, 2, 80, 0, 4096)
+    with pytest.raises(ConfigError, match=r"policy.csa_index_dtype='int4' .*head_dim=80"):
+        policy.replace(rotation="none", group_size=16).check_model(odd)
+    with pytest.raises(ConfigError, match=r"policy.csa_index_dtype='int4' .*MLA"):
+        policy.replace(
+            k_dtype="fp8", v_dtype="fp8", k_scale_axis="token", rotation="none"
+        ).check_model(MLA)

@@ -110,6 +110,23 @@ POLICIES = {
         recent_unquantized=24,
         block_size=BLOCK,
     ),
+    # Selection with key bounds in a separate int4 index (the model's basis) beside rotated,
+    # per-channel int4 keys, each block quantized once full.
+    "csa_select_channel_keys_int4_index": KVPolicy(
+        k_dtype="int4",
+        v_dtype="int4",
+        group_size=16,
+        k_scale_axis="channel",
+        csa_ratio=2,
+        csa_window=16,
+        csa_sinks=4,
+        csa_summary="none",
+        csa_topk=2,
+        csa_host=True,
+        csa_index_dtype="int4",
+        rotation="hadamard",
+        block_size=BLOCK,
+    ),
     # Importance-kept blocks: 4 of each group of 8 older blocks stay exact, chosen by the window
     # attention of the queries before the group's first block leaves the window.
     "csa_keep": KVPolicy(
