@@ -39,6 +39,9 @@ INT4 = KVPolicy("int4", "int4", rotation="hadamard")
 # 0.41 of fp16's bytes: near-lossless 8-bit keys (per-token codes need 8 bits on this model's
 # keys), 4-bit rotated values; cheap enough that more blocks fit the staging pool.
 K8V4 = KVPolicy("int8", "int4", group_size=64, rotation="hadamard")
+# 4-bit: per-channel int4 keys (one scale and zero point per channel per block), rotated int4
+# values in groups of 64; beside selection only with key bounds in their own index.
+INT4_CHANNEL = KVPolicy("int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard")
 
 
 def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
@@ -93,6 +96,24 @@ POLICIES: dict[str, KVPolicy] = {
     # The staging pool of a window of 128: 16 more blocks a query than at 256 for the same bytes.
     "K int8 / V int4 rotated w128 + top96 host no summaries": _csa(
         K8V4, 2, 128, csa_topk=96, csa_host=True, csa_summary="none"
+    ),
+    # 4-bit with the host tier, about 0.10 of fp16's device bytes at 3K tokens (bounds in an
+    # int4 index in the model's basis): 784 tokens a query read exactly, by two block sizes.
+    "int4 K channel / V rotated w128 + top40 host no summaries, int4 index": _csa(
+        INT4_CHANNEL, 2, 128, csa_topk=40, csa_host=True, csa_summary="none", csa_index_dtype="int4"
+    ),
+    "int4 K channel b32 / V rotated w128 + top20 host no summaries, int4 index": _csa(
+        INT4_CHANNEL.replace(block_size=32),
+        2,
+        128,
+        csa_topk=20,
+        csa_host=True,
+        csa_summary="none",
+        csa_index_dtype="int4",
+    ),
+    # Does an index in the model's basis find more needles than bounds in the rotated pools?
+    "K int8 / V int4 rotated w256 + top80 host no summaries, fp8 index": _csa(
+        K8V4, 2, 256, csa_topk=80, csa_host=True, csa_summary="none", csa_index_dtype="fp8"
     ),
     "K int8 / V int4 g64 rotated": K8V4,
     "K int8 / V int4 rotated csa16 w256 + top64 host": _csa(

@@ -24,8 +24,10 @@ from runtime.arch import ModelArch
 from runtime.errors import ConfigError
 from runtime.policy import (
     BLOCK_SIZES,
+    CSA_INDEX_DTYPES,
     CSA_INDEXES,
     CSA_SUMMARIES,
+    INDEX_IN_LAYER_FORMAT,
     K_SCALE_AXES,
     KEEP_FRACTIONS,
     KEEP_GROUP,
@@ -54,13 +56,22 @@ KNOB_NAMES = (
     "csa_summary",
     "csa_topk",
     "csa_index",
+    "csa_index_dtype",
     "csa_keep",
     "block_size",
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
 # Knobs added after studies began: a conf/search without them keeps the policy default.
-OPTIONAL_KNOBS = ("k_scale_axis", "rotation", "csa_summary", "csa_topk", "csa_index", "csa_keep")
+OPTIONAL_KNOBS = (
+    "k_scale_axis",
+    "rotation",
+    "csa_summary",
+    "csa_topk",
+    "csa_index",
+    "csa_index_dtype",
+    "csa_keep",
+)
 
 
 def _field(name: str) -> str:
@@ -84,6 +95,15 @@ def _can_skip_summaries(knobs: Mapping[str, Any]) -> bool:
     """Whether a draw may drop the summaries (KVPolicy's rule): only selection by key bounds
     reads older blocks then. Elsewhere csa_summary falls back to the default pooling."""
     return knobs["csa_topk"] > 0 and knobs["csa_index"] == "bounds"
+
+
+def _can_scale_keys_per_channel(knobs: Mapping[str, Any]) -> bool:
+    """Whether per-channel keys combine with the compression drawn (KVPolicy's rule): without
+    compression, or without summaries and with key bounds in a separate index. Elsewhere
+    k_scale_axis falls back to token."""
+    if knobs["csa_ratio"] == 1:
+        return True
+    return knobs["csa_summary"] == NO_SUMMARY and knobs["csa_index_dtype"] != INDEX_IN_LAYER_FORMAT
 
 
 def _fit_integer_scales(
@@ -228,6 +248,12 @@ class SearchConfig:
             f"one of {', '.join(CSA_INDEXES)}",
         )
         _check_each(
+            "csa_index_dtype",
+            k["csa_index_dtype"],
+            CSA_INDEX_DTYPES.__contains__,
+            f"one of {', '.join(CSA_INDEX_DTYPES)}",
+        )
+        _check_each(
             "csa_keep",
             k["csa_keep"],
             lambda f: (
@@ -334,7 +360,9 @@ class SearchSpace:
             knobs["csa_keep"] = 0.0
         if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
             knobs["csa_summary"] = _DEFAULTS.csa_summary
-        if knobs["csa_ratio"] > 1:
+        if not _can_skip_summaries(knobs):
+            knobs["csa_index_dtype"] = INDEX_IN_LAYER_FORMAT  # only key-bounds selection uses it
+        if not _can_scale_keys_per_channel(knobs):
             knobs["k_scale_axis"] = "token"  # channel scales need whole blocks, not summaries
         pairs = [""] * self.num_layers
         for index, layers in enumerate(self.groups):
@@ -449,6 +477,8 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         )
     if not policy.selects:
         changes.update(csa_index=_DEFAULTS.csa_index)
+    if not policy.selects or policy.csa_index != "bounds":
+        changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)
     if policy.compressed and not policy.summarises:
         changes.update(csa_ratio=2)  # nothing is pooled: every ratio is the same policy
     return policy.replace(**changes)

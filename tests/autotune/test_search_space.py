@@ -182,6 +182,25 @@ def test_channel_keys_are_drawn_only_without_compression():
     assert {p.k_scale_axis for p in draws if not p.compressed} == {"token", "channel"}
 
 
+def test_channel_keys_sit_beside_selection_only_with_a_separate_bounds_index():
+    """Beside compression, per-channel keys are kept exactly where KVPolicy allows them: no
+    summaries, selection by key bounds, bounds in their own index; the index dtype is drawn
+    only where key-bounds selection uses it (else auto)."""
+    search = space(
+        k_scale_axis=["token", "channel"],
+        k_dtype=["fp8", "int4"],
+        csa_summary=["pre_rope", "none"],
+        csa_topk=[0, 4],
+        csa_index_dtype=["auto", "int4", "fp8"],
+    )
+    draws = valid_draws(search, 300, seed=5)
+    channel = [p for p in draws if p.compressed and p.k_scale_axis == "channel"]
+    assert channel and all(p.csa_summary == "none" and p.csa_index_dtype != "auto" for p in channel)
+    quest = [p for p in draws if p.selects and p.csa_summary == "none"]
+    assert {p.csa_index_dtype for p in quest} == {"auto", "int4", "fp8"}
+    assert all(p.csa_index_dtype == "auto" for p in draws if not p.selects)
+
+
 def test_integer_draws_take_fp16_scales_and_a_group():
     """Integer formats keep zero points in fp16 group scales: beside E4M3 and per-tensor
     candidates, a draw with an integer stream takes fp16 scales and, where its integer codes
