@@ -99,10 +99,10 @@ POLICIES: dict[str, KVPolicy] = {
     ),
     # 4-bit with the host tier, about 0.10 of fp16's device bytes at 3K tokens (bounds in an
     # int4 index in the model's basis): 784 tokens a query read exactly, by two block sizes.
-    "int4 K channel / V rotated w128 + top40 host no summaries, int4 index": _csa(
+    "int4 K channel / V rotated w128 + top40 host no summaries int4 index": _csa(
         INT4_CHANNEL, 2, 128, csa_topk=40, csa_host=True, csa_summary="none", csa_index_dtype="int4"
     ),
-    "int4 K channel b32 / V rotated w128 + top20 host no summaries, int4 index": _csa(
+    "int4 K channel b32 / V rotated w128 + top20 host no summaries int4 index": _csa(
         INT4_CHANNEL.replace(block_size=32),
         2,
         128,
@@ -112,7 +112,7 @@ POLICIES: dict[str, KVPolicy] = {
         csa_index_dtype="int4",
     ),
     # Does an index in the model's basis find more needles than bounds in the rotated pools?
-    "K int8 / V int4 rotated w256 + top80 host no summaries, fp8 index": _csa(
+    "K int8 / V int4 rotated w256 + top80 host no summaries fp8 index": _csa(
         K8V4, 2, 256, csa_topk=80, csa_host=True, csa_summary="none", csa_index_dtype="fp8"
     ),
     "K int8 / V int4 g64 rotated": K8V4,
