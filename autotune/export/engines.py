@@ -38,6 +38,8 @@ from runtime.policy import NO_ROTATION, PER_TENSOR, ZERO_POINT_DTYPES, KVPolicy
 VLLM_CUDA_MAX_BLOCK = 32
 NVFP4_GROUP = 16
 MIB = 1 << 20
+# Where the engines have no counterpart (compression, selection): what KVPolicy does by default.
+_DEFAULT_POLICY = KVPolicy()
 
 
 def layer_levels(policy: KVPolicy, num_layers: int) -> list[str]:
@@ -67,8 +69,10 @@ def _engine_policy(
         scale_dtype=scale,
         recent_unquantized=0,
         csa_ratio=1,
+        csa_summary=_DEFAULT_POLICY.csa_summary,
         csa_topk=0,
         csa_host=False,
+        csa_index_dtype=_DEFAULT_POLICY.csa_index_dtype,
         csa_keep=0.0,
     )
 
@@ -308,10 +312,16 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
             "part of an evicted context; the engines keep every token on the device"
         )
     if policy.selects:
+        index = (
+            f", scored on key bounds in a {policy.csa_index_dtype} index of their own"
+            if policy.separate_index
+            else ""
+        )
         gaps.append(
             f"query-aware selection of {policy.csa_topk} older blocks per query from a host-memory "
-            "tier: neither engine expresses it for this model (SGLang's hisparse exists only for "
-            "DeepSeek sparse-attention models); the engines keep every token on the device"
+            f"tier{index}: neither engine expresses it for this model (SGLang's hisparse exists "
+            "only for DeepSeek sparse-attention models); the engines keep every token on the "
+            "device"
         )
     return gaps
 

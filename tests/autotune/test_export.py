@@ -131,7 +131,11 @@ def test_engines_keep_every_token_of_a_compressed_policy():
 
 @pytest.mark.parametrize(
     "changes",
-    [{"csa_topk": 8, "csa_host": True}, {"csa_keep": 0.25, "csa_window": 256}],
+    [
+        {"csa_topk": 8, "csa_host": True},
+        {"csa_topk": 8, "csa_host": True, "csa_summary": "none", "csa_index_dtype": "int4"},
+        {"csa_keep": 0.25, "csa_window": 256},
+    ],
 )
 def test_selected_and_kept_blocks_export_as_every_token_kept_and_are_named_as_gaps(changes):
     policy = KVPolicy("fp8", "fp8", group_size="tensor", csa_ratio=8, **changes)
@@ -142,6 +146,7 @@ def test_selected_and_kept_blocks_export_as_every_token_kept_and_are_named_as_ga
         assert kv_bytes_per_sequence(ARCH, equivalent, 4096) > ours
     gaps = " ".join(_policy_gaps(policy, ARCH, formats_exported=True))
     assert ("host-memory tier" in gaps) == ("csa_topk" in changes)
+    assert ("key bounds in a int4 index" in gaps) == ("csa_index_dtype" in changes)
     assert ("kept exact by the attention they received" in gaps) == ("csa_keep" in changes)
 
 
