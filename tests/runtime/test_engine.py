@@ -280,6 +280,15 @@ TRITON_POLICIES = [
     ),
     # CSA selection: the stream kernel reads each query's chosen blocks through its mask.
     SELECTING,
+    # The same beside rotated per-channel int4 keys, bounds in an int4 index.
+    SELECTING.replace(
+        k_dtype="int4",
+        v_dtype="int4",
+        k_scale_axis="channel",
+        csa_summary="none",
+        csa_index_dtype="int4",
+        rotation="hadamard",
+    ),
 ]
 
 
