@@ -4,6 +4,12 @@ The oracle is decode itself: the prompt fed one token a step (teacher-forced), s
 demotion out of the fp16 recent region and every CSA compression has happened before the
 position's attention, as in serving. Chunked prefill must give the same logits whatever the
 chunk size and whatever other prompts share its steps.
+
+Tolerance: decode projects one token at a time, prefill a chunk (another CPU matmul path), so K
+and V differ by fp32 rounding, and a value within that rounding of a code boundary lands on the
+neighbouring 4-bit code. One such flip moves this tiny model's logits by about 1e-5 relative
+(measured 0.4e-6 to 1.9e-5 over eight weight draws and the quantized policies here), hence 5e-5,
+while each policy moves them from the exact cache's by more than 1e-3 (the guard test below).
 """
 
 from __future__ import annotations
@@ -173,7 +179,7 @@ def test_prefill_logits_do_not_depend_on_chunks_or_batch_and_equal_decode(tiny_l
         for with_others in (False, True):
             logits = prefill_logits(tiny_llama, policy, chunk_size, with_others)
             error = relative_error(logits[:-1], reference)
-            assert error <= 1e-5, (chunk_size, with_others, error)
+            assert error <= 5e-5, (chunk_size, with_others, error)
 
 
 def test_the_policies_change_logits_where_decode_says_they_should(tiny_llama):
