@@ -111,6 +111,10 @@ POLICIES: dict[str, KVPolicy] = {
         csa_summary="none",
         csa_index_dtype="int4",
     ),
+    # K int8 / V int4's 256-token window and 80 blocks a query, at 4-bit.
+    "int4 K channel / V rotated w256 + top80 host no summaries int4 index": _csa(
+        INT4_CHANNEL, 2, 256, csa_topk=80, csa_host=True, csa_summary="none", csa_index_dtype="int4"
+    ),
     # Does an index in the model's basis find more needles than bounds in the rotated pools?
     "K int8 / V int4 rotated w256 + top80 host no summaries fp8 index": _csa(
         K8V4, 2, 256, csa_topk=80, csa_host=True, csa_summary="none", csa_index_dtype="fp8"
