@@ -6,7 +6,8 @@ context, retention on the trial suite and on held-out seeds, greedy exact match 
 multikey (absolute, fp16's beside), greedy generation of the pass key in a --needle-context
 haystack (needle_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
 decode step fetches from the host tier, and the decode step time relative to fp16 measured in
-the same run, right before the row's (torch path, one sequence of --decode-context tokens).
+the same run, fp16's and the row's steps taken in turns (torch path, one sequence of
+--decode-context tokens).
 Accuracy results are cached like the validity benchmark's (content-keyed), so a rerun only
 re-times decode; --decode-only skips them (bytes, fetches and timing alone).
 
@@ -136,22 +137,27 @@ def needle_suite(base: EvalSuite, context: int, docs: int) -> EvalSuite:
     return load_suite(data)
 
 
-def decode_timing(llm: LLM, context: int, steps: int) -> tuple[float, float]:
-    """(median seconds of a decode step, host-tier bytes fetched per step) for one sequence
-    after a `context`-token prompt."""
-    engine = llm.engine
+def decode_timing(base: LLM, llm: LLM, context: int, steps: int) -> tuple[float, float, float]:
+    """(median seconds of an fp16 decode step, of the policy's, host-tier bytes the policy
+    fetches per step) for one sequence after the same `context`-token prompt in each. The two
+    engines step in turns, so that a shared machine's load drifts into both medians alike."""
+    engines = [base.engine, llm.engine]
     prompt = torch.randint(100, 20_000, (context,), generator=torch.Generator().manual_seed(0))
-    engine.add_request(prompt.tolist(), max_new_tokens=steps + 1)
-    while engine.scheduler.has_work and not any(s.output_ids for s in engine.scheduler.running):
-        engine.step()  # prefill
-    before = engine.stats()["kv_fetched_bytes"]
-    times = []
-    while engine.scheduler.has_work:
-        started = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - started)
-    fetched = engine.stats()["kv_fetched_bytes"] - before
-    return sorted(times)[len(times) // 2], fetched / len(times)
+    for engine in engines:
+        engine.add_request(prompt.tolist(), max_new_tokens=steps + 1)
+        while engine.scheduler.has_work and not any(s.output_ids for s in engine.scheduler.running):
+            engine.step()  # prefill
+    before = llm.engine.stats()["kv_fetched_bytes"]
+    times: list[list[float]] = [[], []]
+    while any(engine.scheduler.has_work for engine in engines):
+        for engine, taken in zip(engines, times, strict=True):
+            if engine.scheduler.has_work:
+                started = time.perf_counter()
+                engine.step()
+                taken.append(time.perf_counter() - started)
+    fetched = llm.engine.stats()["kv_fetched_bytes"] - before
+    fp16_step, step = (sorted(taken)[len(taken) // 2] for taken in times)
+    return fp16_step, step, fetched / len(times[1])
 
 
 def main() -> None:
@@ -208,9 +214,8 @@ def main() -> None:
             )
             greedy = cached_evaluate(policy, needle, cache)["tasks"]["needle_greedy"]
         # fp16 timed beside each row: a shared machine's load drifts over a long run.
-        fp16_step, _ = decode_timing(base, args.decode_context, args.decode_steps)
-        step, fetched = decode_timing(
-            base.with_policy(policy), args.decode_context, args.decode_steps
+        fp16_step, step, fetched = decode_timing(
+            base, base.with_policy(policy), args.decode_context, args.decode_steps
         )
         device = " / ".join(f"{bytes_ratio(arch, policy, t):.3f}" for t in contexts)
         host = " / ".join(

@@ -9,6 +9,7 @@ merge by log-sum-exp; this needs no log-sum-exp, so it never materialises the lo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,46 @@ def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...
         source_block_ends[None, :], stream.lengths.long()[:, None] * stride
     )
     return keys, values, positions, block_ends, valid
+
+
+def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
+    """Streams that a decode step can read as one: the same pools and logit bias, no query
+    mask. Decode attends every stored vector whatever its position, so their blocks can share
+    one block table and be gathered and dequantized in one call (per call overheads took ~40%
+    of a 4-bit CSA decode's gathers with sinks, window and staged blocks read apart). Streams
+    of whole blocks go first and at most one stream with a partial last block goes last, so
+    each sequence's vectors stay contiguous; another partial stream stays on its own."""
+    runs: dict[tuple[int, int, float], list[PagedStream]] = {}
+    alone: list[PagedStream] = []
+    for stream in streams:
+        if stream.query_mask is not None:
+            alone.append(stream)
+            continue
+        runs.setdefault((id(stream.k), id(stream.v), stream.logit_bias), []).append(stream)
+    merged = []
+    for run in runs.values():
+        is_whole = [bool((s.lengths % s.block_size == 0).all()) for s in run]
+        whole = [s for s, flag in zip(run, is_whole, strict=True) if flag]
+        partial = [s for s, flag in zip(run, is_whole, strict=True) if not flag]
+        members = whole + partial[:1]
+        merged.append(_concatenated(members) if len(members) > 1 else members[0])
+        alone.extend(partial[1:])
+    return merged + alone
+
+
+def _concatenated(streams: list[PagedStream]) -> PagedStream:
+    """One stream holding each sequence's used blocks of `streams`, in order."""
+    block_size = streams[0].block_size
+    tables, used = [], []
+    for stream in streams:
+        blocks = -(-stream.lengths.long() // block_size)
+        width = int(blocks.max())
+        tables.append(stream.block_table[:, :width])
+        used.append(torch.arange(width, device=blocks.device)[None, :] < blocks[:, None])
+    table, in_use = torch.cat(tables, dim=1), torch.cat(used, dim=1)
+    order = torch.argsort((~in_use).to(torch.int8), dim=1, stable=True)
+    lengths = torch.stack([stream.lengths for stream in streams]).sum(0, dtype=torch.int32)
+    return dataclasses.replace(streams[0], block_table=table.gather(1, order), lengths=lengths)
 
 
 @dataclass(frozen=True)
@@ -130,6 +171,8 @@ def cache_attention_torch(
     logits (the per-stream path spent a third of a CSA prefill in logsumexp and exp).
     """
     num_tokens, num_q_heads, head_dim = q.shape
+    if q_positions is None:
+        streams = merge_decode_streams(streams)
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for group in query_groups(q_seq_starts):
         parts = [(group_keys(stream, group, q_positions), stream.logit_bias) for stream in streams]

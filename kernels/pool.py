@@ -114,14 +114,14 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     """fp32 vectors [S, blocks * block_size, num_heads, head_dim] of the blocks table [S, blocks]
     lists, in order. Gathers whole blocks (a contiguous copy each), far cheaper than slots."""
     table = table.long()
-    codes = pool.codes[table].flatten(1, 2)
-    scales = None
-    if pool.scales is not None:
-        scales = pool.scales[table]
-        if pool.fmt.token_group > 1:
-            scales = scales.repeat_interleave(pool.fmt.token_group, dim=2)
-        scales = scales.flatten(1, 2)
-    return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+    codes = pool.codes[table]  # [S, blocks, block_size, heads, width]
+    scales = None if pool.scales is None else pool.scales[table]
+    rows = pool.fmt.token_group
+    if rows > 1:  # a scale row serves `rows` consecutive tokens: broadcast it, not repeat it
+        codes = codes.unflatten(2, (-1, rows))
+        scales = scales.unsqueeze(3)
+    values = dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+    return values.flatten(1, values.dim() - 3)
 
 
 def write_vectors_ref(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> None:

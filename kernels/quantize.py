@@ -662,9 +662,15 @@ def dequantize(
 
 
 def _check_codes(
-    codes: torch.Tensor, scales: torch.Tensor | None, fmt: KVFormat, head_dim: int
+    codes: torch.Tensor,
+    scales: torch.Tensor | None,
+    fmt: KVFormat,
+    head_dim: int,
+    broadcast: bool = False,
 ) -> None:
-    """Raise early if codes / scales do not hold head_dim-element vectors of fmt."""
+    """Raise early if codes / scales do not hold head_dim-element vectors of fmt. With
+    broadcast (the torch reference) a scale row may serve several vectors: a dim of 1 in
+    scales stands for all of codes' along it."""
     width = code_width(fmt, head_dim)
     if codes.dtype != fmt.code_torch_dtype or codes.shape[-1] != width:
         raise ValueError(
@@ -675,10 +681,20 @@ def _check_codes(
     expected = (*codes.shape[:-1], groups)
     if groups == 0 and scales is not None:
         raise ValueError(f"scales: must be None for {fmt}")
-    if groups and (scales is None or tuple(scales.shape) != expected):
+    shape = None if scales is None else tuple(scales.shape)
+    if groups and (
+        shape is None or (shape != expected and not (broadcast and _broadcasts_to(shape, expected)))
+    ):
         raise ValueError(f"scales: must have shape {expected} for {fmt}")
     if groups and scales.dtype != fmt.scale_torch_dtype:
         raise ValueError(f"scales.dtype={scales.dtype}: {fmt} needs {fmt.scale_torch_dtype}")
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Same rank, the last dim equal, every other dim equal or 1."""
+    if len(shape) != len(target) or shape[-1] != target[-1]:
+        return False
+    return all(have in (1, want) for have, want in zip(shape[:-1], target[:-1], strict=True))
 
 
 def quantize_ref(
@@ -780,8 +796,9 @@ def dequantize_ref(
     head_dim: int,
     out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Torch reference of `dequantize` (same signature, same bits)."""
-    _check_codes(codes, scales, fmt, head_dim)
+    """Torch reference of `dequantize` (same signature, same bits); a scale row may serve
+    several vectors (a dim of 1 in scales broadcasts), as a token-grouped pool stores it."""
+    _check_codes(codes, scales, fmt, head_dim, broadcast=True)
     if not fmt.quantized:
         return codes.to(out_dtype)
     values = fmt.element.decode(codes)

@@ -381,7 +381,9 @@ class SearchSpace:
         V fp4; int4 with per-channel keys over 32-token blocks, values in groups of 64, both
         Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py); fp8 with a 256-token window
         and 48 older blocks a query selected from the host tier, no summaries (Quest; 0.21 of
-        fp16's device bytes at 3K tokens, benchmarks/compression.py). Other knobs take the
+        fp16's device bytes at 3K tokens, benchmarks/compression.py); the same selection at 80
+        blocks over 4-bit codes, per-channel keys beside an int4 key-bounds index (0.18 of
+        fp16's device bytes at 3K tokens, 0.09 at 7K). Other knobs take the
         KVPolicy default where it is a candidate, else the first; a start whose own knob values
         are not candidates is left out.
         """
@@ -404,6 +406,7 @@ class SearchSpace:
             "k-fp8-v-fp4": [("fp8", "fp4")] * len(self.groups),
             "int4-k-channel-rotated": [("int4", "int4")] * len(self.groups),
             "fp8-w256-top48-host-no-summaries": [("fp8", "fp8")] * len(self.groups),
+            "int4-k-channel-w256-top80-host-int4-index": [("int4", "int4")] * len(self.groups),
         }
         own_knobs = {
             "int4-k-channel-rotated": {
@@ -417,6 +420,17 @@ class SearchSpace:
                 "csa_window": 256,
                 "csa_topk": 48,
                 "csa_summary": NO_SUMMARY,
+            },
+            "int4-k-channel-w256-top80-host-int4-index": {
+                "k_scale_axis": "channel",
+                "rotation": "hadamard",
+                "group_size": 64,
+                "block_size": 16,
+                "csa_ratio": 2,
+                "csa_window": 256,
+                "csa_topk": 80,
+                "csa_summary": NO_SUMMARY,
+                "csa_index_dtype": "int4",
             },
         }
         starts = {}

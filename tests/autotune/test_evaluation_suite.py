@@ -22,7 +22,7 @@ from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
 from runtime.errors import ConfigError
 
 
-@pytest.mark.parametrize("preset", ["quick", "heldout", "full"])
+@pytest.mark.parametrize("preset", ["quick", "heldout", "long", "full"])
 def test_presets_load_and_cover_every_task(preset):
     suite = load_suite(preset)
     assert suite.name == preset
@@ -42,7 +42,13 @@ def test_the_full_suite_asks_the_greedy_needle_at_four_thousand_tokens():
     assert load_suite("full").task_context("needle_greedy") >= 4096
 
 
-@pytest.mark.parametrize("larger", ["heldout", "full"])
+def test_the_long_suite_asks_every_task_at_seven_thousand_tokens():
+    """Where a fixed selection budget is under a quarter of the context (issue 13's 0.10)."""
+    long = load_suite("long")
+    assert all(long.task_context(name) >= 7168 for name in long.tasks)
+
+
+@pytest.mark.parametrize("larger", ["heldout", "long", "full"])
 def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
     quick, other = load_suite("quick"), load_suite(larger)
     assert other.context_tokens > quick.context_tokens

@@ -272,6 +272,46 @@ def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
     assert "fp8-w256-top48-host-no-summaries" not in space().warm_starts()
 
 
+def test_the_4bit_selection_start_pairs_channel_keys_with_a_separate_index():
+    """The 4-bit host-tier start (0.18 of fp16's device bytes at 3K in
+    benchmarks/compression.py) is expressible only where every knob it sets is a candidate."""
+    knobs = dict(
+        k_dtype=["fp16", "int4"],
+        v_dtype=["fp16", "int4"],
+        group_size=[32, 64],
+        scale_dtype=["fp16"],
+        k_scale_axis=["token", "channel"],
+        rotation=["none", "hadamard"],
+        csa_ratio=[1, 2],
+        csa_window=[256],
+        csa_topk=[0, 80],
+        csa_summary=["pre_rope", "none"],
+        csa_index_dtype=["auto", "int4"],
+        block_size=[16],
+        chunk_size=[256],
+    )
+    search = space(**knobs)
+    policy = search.policy(search.warm_starts()["int4-k-channel-w256-top80-host-int4-index"])
+    expected = KVPolicy(
+        "int4",
+        "int4",
+        group_size=64,
+        k_scale_axis="channel",
+        rotation="hadamard",
+        block_size=16,
+        chunk_size=256,
+        csa_ratio=2,
+        csa_window=256,
+        csa_topk=80,
+        csa_host=True,
+        csa_summary="none",
+        csa_index_dtype="int4",
+    )
+    assert policy == canonical(expected.replace(csa_sinks=policy.csa_sinks))
+    without_index = space(**{**knobs, "csa_index_dtype": ["auto"]}).warm_starts()
+    assert "int4-k-channel-w256-top80-host-int4-index" not in without_index
+
+
 def test_kept_blocks_are_drawn_only_where_the_policy_rules_allow_them():
     """csa_keep survives a draw only with compression, no selection, a window of at least 7
     blocks and a recent region inside window - 7 blocks (KVPolicy's rules); elsewhere it is 0,

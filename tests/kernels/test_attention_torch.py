@@ -1,6 +1,7 @@
 """The torch backend's whole-cache attention equals the per-sequence references (themselves
 checked against SDPA in test_attention.py), merged by log-sum-exp over several streams."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from kernels.attention import stream_attention_ref
 from kernels.attention_decode import decode_attention_ref
 from kernels.attention_merge import merge_attention_ref
-from kernels.attention_torch import cache_attention_torch
+from kernels.attention_torch import cache_attention_torch, merge_decode_streams
 from tests.kernels.test_attention import (
     CSA_FORMATS,
     FORMATS,
@@ -79,3 +80,43 @@ def test_whole_cache_attention_equals_the_merged_streams(formats):
     seq_starts = torch.arange(5, dtype=torch.int32)
     actual = cache_attention_torch(q_decode, None, seq_starts, streams, 0.125)
     assert relative_error(actual, expected) <= TOLERANCE
+
+
+def test_decode_reads_streams_of_shared_pools_as_one():
+    """Streams in one pair of pools (whole blocks, partial last blocks, empty for some
+    sequences, a gap inside a block) are read by decode in fewer gathers, with the result of
+    attending each stream apart and merging by log-sum-exp; a stream with another logit bias
+    stays apart."""
+    block_size = 8
+    whole = build_stream(
+        [40, 7, 64, 23],
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=block_size,
+        k_fmt=FORMATS["int4_g32"],
+        v_fmt=FORMATS["int8_g64"],
+    ).stream
+    # Per stream, per sequence: (first block, blocks, length).
+    splits = {
+        "whole blocks": [(0, 2, 16), (0, 0, 0), (0, 4, 32), (0, 1, 8)],
+        "partial with a gap": [(2, 1, 5), (0, 0, 0), (4, 1, 8), (1, 1, 6)],
+        "partial tail": [(3, 2, 16), (0, 1, 7), (5, 3, 20), (2, 1, 7)],
+    }
+    streams = [_sub_stream(whole, split, 0.0) for split in splits.values()]
+    streams.append(_sub_stream(whole, [(0, 1, 3), (0, 1, 2), (7, 1, 8), (0, 0, 0)], 0.7))
+    assert len(merge_decode_streams(streams)) == 3  # whole + one partial, a partial, the biased
+    q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3))
+    expected, _ = merge_attention_ref([decode_attention_ref(q, s, 0.125) for s in streams])
+    seq_starts = torch.arange(5, dtype=torch.int32)
+    actual = cache_attention_torch(q, None, seq_starts, streams, 0.125)
+    assert relative_error(actual, expected) <= TOLERANCE
+
+
+def _sub_stream(whole, split: list[tuple[int, int, int]], logit_bias: float):
+    """Some blocks of each sequence of `whole` as a stream of their own."""
+    width = max(blocks for _, blocks, _ in split) + 1
+    table = torch.full((len(split), width), -1, dtype=torch.int32)
+    for seq, (first, blocks, _) in enumerate(split):
+        table[seq, :blocks] = whole.block_table[seq, first : first + blocks]
+    lengths = torch.tensor([length for _, _, length in split], dtype=torch.int32)
+    return dataclasses.replace(whole, block_table=table, lengths=lengths, logit_bias=logit_bias)

@@ -161,7 +161,7 @@ def test_codes_are_packed_little_end_first(dtype: str, expected_bytes: list[int]
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])
 def test_fast_decode_reads_the_bit_stream(bits: int) -> None:
-    """decode_codes_fast (the torch backend's table lookup) against the packing rule read off
+    """decode_codes_fast (the torch backend's hot path) against the packing rule read off
     numpy bits: element i of a vector is bits [i * bits, (i + 1) * bits) of its bytes, least
     significant first; on every byte value, on a strided view and on no vectors."""
     generator = np.random.default_rng(bits)
