@@ -383,7 +383,7 @@ class SearchSpace:
         and 48 older blocks a query selected from the host tier, no summaries (Quest; 0.21 of
         fp16's device bytes at 3K tokens, benchmarks/compression.py); the same selection at 80
         blocks over 4-bit codes, per-channel keys beside an int4 key-bounds index (0.18 of
-        fp16's device bytes at 3K tokens, 0.09 at 7K). Other knobs take the
+        fp16's device bytes at 3K tokens; 0.96 held out there). Other knobs take the
         KVPolicy default where it is a candidate, else the first; a start whose own knob values
         are not candidates is left out.
         """
