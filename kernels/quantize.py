@@ -681,20 +681,21 @@ def _check_codes(
     expected = (*codes.shape[:-1], groups)
     if groups == 0 and scales is not None:
         raise ValueError(f"scales: must be None for {fmt}")
-    shape = None if scales is None else tuple(scales.shape)
     if groups and (
-        shape is None or (shape != expected and not (broadcast and _broadcasts_to(shape, expected)))
+        scales is None or not _scale_shape_fits(tuple(scales.shape), expected, broadcast)
     ):
         raise ValueError(f"scales: must have shape {expected} for {fmt}")
     if groups and scales.dtype != fmt.scale_torch_dtype:
         raise ValueError(f"scales.dtype={scales.dtype}: {fmt} needs {fmt.scale_torch_dtype}")
 
 
-def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
-    """Same rank, the last dim equal, every other dim equal or 1."""
-    if len(shape) != len(target) or shape[-1] != target[-1]:
+def _scale_shape_fits(shape: tuple[int, ...], expected: tuple[int, ...], broadcast: bool) -> bool:
+    """The expected shape, or with broadcast the same rank and last dim, others equal or 1."""
+    if shape == expected:
+        return True
+    if not broadcast or len(shape) != len(expected) or shape[-1] != expected[-1]:
         return False
-    return all(have in (1, want) for have, want in zip(shape[:-1], target[:-1], strict=True))
+    return all(have in (1, want) for have, want in zip(shape[:-1], expected[:-1], strict=True))
 
 
 def quantize_ref(
