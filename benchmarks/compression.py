@@ -24,16 +24,16 @@ import time
 import torch
 from rich.console import Console
 
-from autotune.cache import JsonCache, default_cache_folder
-from autotune.evaluation import EvalSuite, load_suite
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.formats import FP16, bytes_ratio
 from benchmarks.tables import print_rows
-from runtime import LLM
-from runtime.arch import arch_from_folder
-from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
-from runtime.model_source import resolve_model
-from runtime.policy import KVPolicy
+from kvtune.autotune.cache import JsonCache, default_cache_folder
+from kvtune.autotune.evaluation import EvalSuite, load_suite
+from kvtune.runtime import LLM
+from kvtune.runtime.arch import arch_from_folder
+from kvtune.runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
 
 FP8 = KVPolicy("fp8", "fp8")
 INT4 = KVPolicy("int4", "int4", rotation="hadamard")

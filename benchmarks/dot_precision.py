@@ -35,10 +35,10 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.kernels import FORMATS, Shape, random_stream, time_ms
-from kernels.attention import paged_attention_ref, stream_attention
-from kernels.attention_decode import decode_attention
-from runtime.errors import ConfigError
-from runtime.policy import KVPolicy
+from kvtune.kernels.attention import paged_attention_ref, stream_attention
+from kvtune.kernels.attention_decode import decode_attention
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.policy import KVPolicy
 
 PRECISIONS = ("ieee", "tf32")
 
@@ -187,7 +187,7 @@ def logits_gap(actual: torch.Tensor, expected: torch.Tensor) -> dict[str, float]
 
 
 def prompt_logits(model: str, policy: KVPolicy, backend: str, device: str, prompts) -> torch.Tensor:
-    from runtime import LLM
+    from kvtune.runtime import LLM
 
     longest = max(len(prompt) for prompt in prompts)
     llm = LLM(model, policy=policy, backend=backend, device=device, max_model_len=longest + 8)
@@ -233,7 +233,7 @@ def engine_rows(
 
 
 def engine_table(device: str, smoke: bool) -> Table:
-    from runtime.model_source import resolve_model
+    from kvtune.runtime.model_source import resolve_model
     from tests.runtime.conftest import TINY_VOCAB, build_tiny_model
 
     table = Table(title=f"engine prompt logits by backend on {device}")

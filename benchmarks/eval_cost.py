@@ -20,8 +20,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotune.evaluation import evaluate, load_suite
 from benchmarks.eval_validity import POLICIES, fmt
+from kvtune.autotune.evaluation import evaluate, load_suite
 
 DEFAULT_POLICIES = ("fp16", "fp8 tensor", "fp4 g16 e4m3", "fp4 g16 + csa4")
 

@@ -39,16 +39,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autotune.evaluation.baseline_cache import baseline_run
-from autotune.evaluation.evaluator import eval_cache_dir
-from autotune.evaluation.fidelity import coarse_kl
-from autotune.evaluation.suite import load_suite
-from autotune.evaluation.suite_run import SuiteRun, run_suite
-from autotune.evaluation.task_files import TaskFolder, task_folder
-from autotune.evaluation.tasks import QA, TASKS
 from benchmarks.eval_validity import POLICIES
-from runtime.model_source import resolve_model
-from runtime.tokenizer import Tokenizer
+from kvtune.autotune.evaluation.baseline_cache import baseline_run
+from kvtune.autotune.evaluation.evaluator import eval_cache_dir
+from kvtune.autotune.evaluation.fidelity import coarse_kl
+from kvtune.autotune.evaluation.suite import load_suite
+from kvtune.autotune.evaluation.suite_run import SuiteRun, run_suite
+from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
+from kvtune.autotune.evaluation.tasks import QA, TASKS
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.tokenizer import Tokenizer
 
 SIGNALS = ("prob", "loglik", "kl", "kl_answer")
 ITERS = 1000

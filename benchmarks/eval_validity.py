@@ -32,13 +32,13 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cache import ACCURACY_CODE, JsonCache, default_cache_folder
-from autotune.evaluation import EvalSuite, evaluate, load_suite
-from autotune.evaluation.baseline_cache import suite_content_fingerprint
-from autotune.evaluation.evaluator import eval_cache_dir
-from runtime.fingerprint import code_fingerprint, model_fingerprint
-from runtime.model_source import resolve_model
-from runtime.policy import KVPolicy
+from kvtune.autotune.cache import ACCURACY_CODE, JsonCache, default_cache_folder
+from kvtune.autotune.evaluation import EvalSuite, evaluate, load_suite
+from kvtune.autotune.evaluation.baseline_cache import suite_content_fingerprint
+from kvtune.autotune.evaluation.evaluator import eval_cache_dir
+from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
 
 LAYERS = 30  # SmolLM2-135M
 # Per-layer mixes: the first and last four layers keep the better format (K is the sensitive
@@ -110,7 +110,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 def validity_key(policy: KVPolicy, suite: EvalSuite) -> dict:
     """Content only: the model's files, the suite's definition and task rows, the policy and
-    the evaluation code (autotune/cache.py)."""
+    the evaluation code (kvtune/autotune/cache.py)."""
     return {
         "model": model_fingerprint(resolve_model(suite.model)),
         "suite": suite_content_fingerprint(suite, eval_cache_dir()),

@@ -18,16 +18,16 @@ import time
 
 from rich.console import Console
 
-from autotune.cache import JsonCache, default_cache_folder
-from autotune.config.engine_presets import engine_presets
-from autotune.evaluation import load_suite
-from autotune.search.sensitivity import RuntimeSettings, layer_sensitivity
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.tables import print_rows
-from runtime.arch import ModelArch, arch_from_folder
-from runtime.kv_bytes import kv_bytes_per_sequence
-from runtime.model_source import resolve_model
-from runtime.policy import KVPolicy
+from kvtune.autotune.cache import JsonCache, default_cache_folder
+from kvtune.autotune.config.engine_presets import engine_presets
+from kvtune.autotune.evaluation import load_suite
+from kvtune.autotune.search.sensitivity import RuntimeSettings, layer_sensitivity
+from kvtune.runtime.arch import ModelArch, arch_from_folder
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
 
 FP16 = KVPolicy("fp16", "fp16")
 

@@ -81,7 +81,7 @@ part() {
 }
 
 have() { "$python" -c "import $1" 2>/dev/null; }
-kvtune=("$python" -c 'import sys; from autotune.cli.main import main; sys.exit(main())')
+kvtune=("$python" -c 'import sys; from kvtune.autotune.cli.main import main; sys.exit(main())')
 
 # --- staging: wheels that arrived, the model shards -------------------------------------------
 stage() {
@@ -110,7 +110,7 @@ if [ "$mode" != --smoke ]; then
 fi
 
 model_ready() {
-    "$python" -c 'from runtime.model_source import embedded_gguf; embedded_gguf("smollm2-135m")' \
+    "$python" -c 'from kvtune.runtime.model_source import embedded_gguf; embedded_gguf("smollm2-135m")' \
         2>/dev/null
 }
 

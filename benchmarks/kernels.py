@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from kernels.attention import PagedStream
-from kernels.attention_torch import cache_attention_torch
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool
-from runtime.backends import cache_ops
+from kvtune.kernels.attention import PagedStream
+from kvtune.kernels.attention_torch import cache_attention_torch
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool
+from kvtune.runtime.backends import cache_ops
 
 FORMATS = {
     "fp16": KVFormat("fp16"),

@@ -18,10 +18,10 @@ import statistics
 
 import torch
 
-from kernels.lloyd_max import levels
-from kernels.rotation import hadamard_matrix
-from runtime import LLM, KVPolicy
-from runtime.model import DenseCausalAttention
+from kvtune.kernels.lloyd_max import levels
+from kvtune.kernels.rotation import hadamard_matrix
+from kvtune.runtime import LLM, KVPolicy
+from kvtune.runtime.model import DenseCausalAttention
 
 TEXT = (
     "The history of the river begins in the mountains, where snow melts each spring and feeds "

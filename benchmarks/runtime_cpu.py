@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
-from runtime import LLM, KVPolicy
-from runtime.model_source import resolve_model
+from kvtune.runtime import LLM, KVPolicy
+from kvtune.runtime.model_source import resolve_model
 
 MODEL = "smollm2-135m"
 

@@ -43,9 +43,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from autotune.cache import JsonCache, default_cache_folder
-from autotune.evaluation import haystack
-from autotune.search.sensitivity import (
+from kvtune.autotune.cache import JsonCache, default_cache_folder
+from kvtune.autotune.evaluation import haystack
+from kvtune.autotune.search.sensitivity import (
     SENSITIVITY_CODE,
     RuntimeSettings,
     exact_runtime,
@@ -53,14 +53,14 @@ from autotune.search.sensitivity import (
     layer_sensitivity,
     mean_kl,
 )
-from autotune.search.space import SearchConfig, SearchSpace, canonical
-from autotune.study.optuna_study import StudySettings, make_sampler
-from runtime.arch import ModelArch, arch_from_folder
-from runtime.fingerprint import code_fingerprint, model_fingerprint
-from runtime.kv_bytes import kv_bytes_per_sequence
-from runtime.model_source import resolve_model
-from runtime.policy import KVPolicy
-from runtime.tokenizer import Tokenizer
+from kvtune.autotune.search.space import SearchConfig, SearchSpace, canonical
+from kvtune.autotune.study.optuna_study import StudySettings, make_sampler
+from kvtune.runtime.arch import ModelArch, arch_from_folder
+from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"
 SAMPLERS = ("random", "tpe", "nsga2", "gp")

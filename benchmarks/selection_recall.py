@@ -19,13 +19,13 @@ from contextlib import contextmanager
 
 import torch
 
-import runtime.kv_cache as kv_cache
-from autotune.evaluation.suite import EvalSuite
-from autotune.evaluation.task_files import generate_rows
+import kvtune.runtime.kv_cache as kv_cache
 from benchmarks.compression import POLICIES
-from runtime import LLM
-from runtime.model_source import resolve_model
-from runtime.tokenizer import Tokenizer
+from kvtune.autotune.evaluation.suite import EvalSuite
+from kvtune.autotune.evaluation.task_files import generate_rows
+from kvtune.runtime import LLM
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.tokenizer import Tokenizer
 
 KEY_PREFIX = "The pass key is "
 

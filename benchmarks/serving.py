@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from runtime import LLM, KVPolicy
-from runtime.arch import arch_from_folder
-from runtime.kv_bytes import kv_bytes_per_sequence
-from runtime.model_source import resolve_model
+from kvtune.runtime import LLM, KVPolicy
+from kvtune.runtime.arch import arch_from_folder
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.model_source import resolve_model
 
 MODEL = "smollm2-135m"
 

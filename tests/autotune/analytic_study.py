@@ -6,17 +6,17 @@ end to end by test_tune_cli.py and test_workers_postgres.py."""
 
 import optuna
 
-from autotune.search.space import SearchConfig, SearchSpace
-from autotune.study.objectives import Constraints, TrialFailure
-from autotune.study.optuna_study import (
+from kvtune.autotune.search.space import SearchConfig, SearchSpace
+from kvtune.autotune.study.objectives import Constraints, TrialFailure
+from kvtune.autotune.study.optuna_study import (
     StudySettings,
     TrialObjective,
     create_or_resume,
     make_sampler,
     open_storage,
 )
-from runtime.arch import ModelArch
-from runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
 
 ARCH = ModelArch("test", 4, 4, 2, 16, 1 << 20, 4096)
 SEARCH = {

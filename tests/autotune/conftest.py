@@ -18,7 +18,11 @@ import yaml
 
 from tests.runtime.conftest import build_tiny_model
 
-KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
+KVTUNE = [
+    sys.executable,
+    "-c",
+    "import sys; from kvtune.autotune.cli.main import main; sys.exit(main())",
+]
 
 TINY_PRESETS = {
     "eval/tiny.yaml": {

@@ -12,21 +12,21 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from autotune.cache import JsonCache, key_digest
-from autotune.config.settings import DeviceSpec, ServeSettings
-from autotune.config.workload import Workload
-from autotune.evaluation import load_suite
-from autotune.evaluation.baseline_cache import baseline_key, baseline_run, suite_fingerprint
-from autotune.evaluation.evaluator import eval_cache_dir
-from autotune.evaluation.task_files import task_folder
-from autotune.search.sensitivity import RuntimeSettings, layer_sensitivity, sensitivity_key
-from autotune.study.objectives import TrialContext, TrialEvaluator
 from benchmarks.eval_validity import validity_key
 from benchmarks.search_efficiency import fidelity_key
-from runtime import KVPolicy
-from runtime.arch import arch_from_folder
-from runtime.fingerprint import model_fingerprint, source_fingerprint
-from runtime.tokenizer import Tokenizer
+from kvtune.autotune.cache import JsonCache, key_digest
+from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
+from kvtune.autotune.config.workload import Workload
+from kvtune.autotune.evaluation import load_suite
+from kvtune.autotune.evaluation.baseline_cache import baseline_key, baseline_run, suite_fingerprint
+from kvtune.autotune.evaluation.evaluator import eval_cache_dir
+from kvtune.autotune.evaluation.task_files import task_folder
+from kvtune.autotune.search.sensitivity import RuntimeSettings, layer_sensitivity, sensitivity_key
+from kvtune.autotune.study.objectives import TrialContext, TrialEvaluator
+from kvtune.runtime import KVPolicy
+from kvtune.runtime.arch import arch_from_folder
+from kvtune.runtime.fingerprint import model_fingerprint, source_fingerprint
+from kvtune.runtime.tokenizer import Tokenizer
 from tests.autotune.conftest import TINY_PRESETS
 
 WEIGHTS = "model.safetensors"

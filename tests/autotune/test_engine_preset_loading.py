@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from autotune.config.engine_presets import POLICY_DIR, engine_presets
-from runtime.policy import KVPolicy
+from kvtune.autotune.config.engine_presets import POLICY_DIR, engine_presets
+from kvtune.runtime.policy import KVPolicy
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PRESET_FILES = sorted(f"{path.parent.name}/{path.stem}" for path in POLICY_DIR.glob("*/*.yaml"))

@@ -9,18 +9,23 @@ import numpy as np
 import pytest
 import torch
 
-from autotune.evaluation.evaluator import report
-from autotune.evaluation.fidelity import FidelityRecorder, coarse_kl, scored_kl, task_fidelity
-from autotune.evaluation.scoring import (
+from kvtune.autotune.evaluation.evaluator import report
+from kvtune.autotune.evaluation.fidelity import (
+    FidelityRecorder,
+    coarse_kl,
+    scored_kl,
+    task_fidelity,
+)
+from kvtune.autotune.evaluation.scoring import (
     likelihood_retention,
     likelihood_retention_stderr,
     task_score,
 )
-from autotune.evaluation.suite import EvalSuite
-from autotune.evaluation.suite_run import SuiteRun
-from autotune.evaluation.task_files import TaskFolder
-from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA
-from runtime.policy import KVPolicy
+from kvtune.autotune.evaluation.suite import EvalSuite
+from kvtune.autotune.evaluation.suite_run import SuiteRun
+from kvtune.autotune.evaluation.task_files import TaskFolder
+from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA
+from kvtune.runtime.policy import KVPolicy
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

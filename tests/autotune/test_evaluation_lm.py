@@ -14,8 +14,8 @@ from lm_eval.api.instance import Instance
 from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
-from autotune.evaluation import KVTuneLM
-from autotune.evaluation.fidelity import FidelityRecorder
+from kvtune.autotune.evaluation import KVTuneLM
+from kvtune.autotune.evaluation.fidelity import FidelityRecorder
 from tests.runtime.conftest import TINY_VOCAB, build_tiny_model
 
 AUTO = {"k_dtype": "auto", "v_dtype": "auto", "block_size": 8, "chunk_size": 16}

@@ -13,15 +13,19 @@ import pytest
 import yaml
 from lm_eval.tasks import TaskManager
 
-from autotune.evaluation import EvalSuite, KVTuneLM, evaluate, load_suite
-from autotune.evaluation.baseline_cache import baseline_run
-from autotune.evaluation.task_files import TaskFolder, task_folder
-from autotune.evaluation.tasks import TASKS
-from runtime.model_source import resolve_model
-from runtime.policy import KVPolicy
-from runtime.tokenizer import Tokenizer
+from kvtune.autotune.evaluation import EvalSuite, KVTuneLM, evaluate, load_suite
+from kvtune.autotune.evaluation.baseline_cache import baseline_run
+from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
+from kvtune.autotune.evaluation.tasks import TASKS
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.tokenizer import Tokenizer
 
-KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
+KVTUNE = [
+    sys.executable,
+    "-c",
+    "import sys; from kvtune.autotune.cli.main import main; sys.exit(main())",
+]
 # Small and seeded: every QA task, long enough that the KV cache carries the answer.
 SMALL = {
     "name": "small",

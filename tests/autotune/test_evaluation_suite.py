@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from autotune.evaluation.prefill_plan import share_prefixes, token_batches
-from autotune.evaluation.scoring import (
+from kvtune.autotune.evaluation.prefill_plan import share_prefixes, token_batches
+from kvtune.autotune.evaluation.scoring import (
     EXACT_MATCH,
     PRIMARY,
     bootstrap_stderr,
@@ -17,9 +17,9 @@ from autotune.evaluation.scoring import (
     score,
     task_score,
 )
-from autotune.evaluation.suite import TASK_NAMES, EvalSuite, TaskSize, load_suite
-from autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
-from runtime.errors import ConfigError
+from kvtune.autotune.evaluation.suite import TASK_NAMES, EvalSuite, TaskSize, load_suite
+from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
+from kvtune.runtime.errors import ConfigError
 
 
 @pytest.mark.parametrize("preset", ["quick", "heldout", "long", "full"])
@@ -202,7 +202,7 @@ def test_token_batches_bound_the_tokens_of_a_call():
 def test_evaluate_table_fits_an_80_column_terminal_without_truncation():
     from rich.console import Console
 
-    from autotune.cli.evaluate import render_result
+    from kvtune.autotune.cli.evaluate import render_result
 
     qa = {
         "metric": "answer_probability",

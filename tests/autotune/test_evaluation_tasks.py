@@ -10,12 +10,12 @@ import pytest
 from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
-import autotune.evaluation  # noqa: F401  (HF offline variables)
-from autotune.evaluation import haystack
-from autotune.evaluation.scoring import task_score
-from autotune.evaluation.suite import EvalSuite, TaskSize
-from autotune.evaluation.task_files import generate_rows, task_folder
-from autotune.evaluation.tasks import (
+import kvtune.autotune.evaluation  # noqa: F401  (HF offline variables)
+from kvtune.autotune.evaluation import haystack
+from kvtune.autotune.evaluation.scoring import task_score
+from kvtune.autotune.evaluation.suite import EvalSuite, TaskSize
+from kvtune.autotune.evaluation.task_files import generate_rows, task_folder
+from kvtune.autotune.evaluation.tasks import (
     GENERATION,
     QA,
     TASKS,
@@ -25,9 +25,9 @@ from autotune.evaluation.tasks import (
     multikey,
     passkey,
 )
-from runtime.errors import ConfigError
-from runtime.model_source import resolve_model
-from runtime.tokenizer import Tokenizer
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.tokenizer import Tokenizer
 
 SUITE = EvalSuite(
     context_tokens=768,

@@ -5,9 +5,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune.config.settings import DeviceSpec, ServeSettings, build_device, build_model_arch
-from autotune.config.workload import Workload
-from autotune.export.engines import (
+from kvtune.autotune.config.settings import (
+    DeviceSpec,
+    ServeSettings,
+    build_device,
+    build_model_arch,
+)
+from kvtune.autotune.config.workload import Workload
+from kvtune.autotune.export.engines import (
     _policy_gaps,
     compact_policy,
     engine_max_num_seqs,
@@ -20,15 +25,15 @@ from autotune.export.engines import (
     vllm_mapping,
     write_export,
 )
-from autotune.search.sensitivity import RuntimeSettings
-from autotune.search.space import SearchConfig
-from autotune.study.objectives import Constraints
-from autotune.study.recipe import TuneSetup
-from autotune.study.results import TrialRecord, pareto_front, pick_trial
-from runtime.arch import GIB, ModelArch
-from runtime.errors import ConfigError
-from runtime.kv_bytes import kv_bytes_per_sequence
-from runtime.policy import KVPolicy
+from kvtune.autotune.search.sensitivity import RuntimeSettings
+from kvtune.autotune.search.space import SearchConfig
+from kvtune.autotune.study.objectives import Constraints
+from kvtune.autotune.study.recipe import TuneSetup
+from kvtune.autotune.study.results import TrialRecord, pareto_front, pick_trial
+from kvtune.runtime.arch import GIB, ModelArch
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.policy import KVPolicy
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 ARCH = ModelArch("test", 4, 4, 2, 64, 1 << 30, 8192)

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from runtime.arch import GIB
+from kvtune.runtime.arch import GIB
 
-KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
+KVTUNE = [
+    sys.executable,
+    "-c",
+    "import sys; from kvtune.autotune.cli.main import main; sys.exit(main())",
+]
 
 
 def kvtune(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:

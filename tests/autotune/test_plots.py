@@ -5,9 +5,9 @@ import itertools
 import matplotlib.pyplot as plt
 import pytest
 
-from autotune.study.results import TrialRecord, pareto_front
-from autotune.tracking.plots import pareto_figure, pareto_png
-from runtime.policy import KVPolicy
+from kvtune.autotune.study.results import TrialRecord, pareto_front
+from kvtune.autotune.tracking.plots import pareto_figure, pareto_png
+from kvtune.runtime.policy import KVPolicy
 
 OBJECTIVES = ("accuracy_retention", "kv_bytes_per_sequence", "tpot_ms")
 MIB = 2**20

@@ -14,11 +14,15 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from autotune.config.settings import build_policy
+from kvtune.autotune.config.settings import build_policy
 from tests.kernels.engine_formats_ref import kv_bytes_per_token_head, vllm_layer_kv_dtype
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
-KVTUNE = [sys.executable, "-c", "import sys; from autotune.cli.main import main; sys.exit(main())"]
+KVTUNE = [
+    sys.executable,
+    "-c",
+    "import sys; from kvtune.autotune.cli.main import main; sys.exit(main())",
+]
 PRESETS = sorted(
     f"{path.parent.name}/{path.stem}"
     for engine in ("vllm", "sglang")

@@ -6,8 +6,8 @@ import re
 import optuna
 from rich.console import Console
 
-from autotune.cli.report import ProgressCallback, trial_reporter
-from autotune.study.optuna_study import run_trials
+from kvtune.autotune.cli.report import ProgressCallback, trial_reporter
+from kvtune.autotune.study.optuna_study import run_trials
 from tests.autotune.analytic_study import new_study, objective
 
 MIB = 1 << 20
@@ -45,9 +45,9 @@ def test_a_terminal_gets_the_live_bar(tmp_path):
 
 
 def test_the_policy_label_names_every_format_lever():
-    from autotune.cli.report import policy_label
-    from autotune.study.results import TrialRecord
-    from runtime.policy import KVPolicy
+    from kvtune.autotune.cli.report import policy_label
+    from kvtune.autotune.study.results import TrialRecord
+    from kvtune.runtime.policy import KVPolicy
 
     policy = KVPolicy(
         "int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32

@@ -3,12 +3,12 @@
 import optuna
 import pytest
 
-from autotune.search.sensitivity import group_layers
-from autotune.search.space import SearchConfig, SearchSpace, canonical
-from runtime.arch import ModelArch
-from runtime.errors import ConfigError
-from runtime.kv_bytes import kv_bytes_per_sequence
-from runtime.policy import KVPolicy
+from kvtune.autotune.search.sensitivity import group_layers
+from kvtune.autotune.search.space import SearchConfig, SearchSpace, canonical
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.policy import KVPolicy
 
 ARCH = ModelArch(
     name="test",

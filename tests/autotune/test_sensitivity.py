@@ -5,17 +5,17 @@ import math
 
 import pytest
 
-from autotune.cache import JsonCache
-from autotune.search.sensitivity import (
+from kvtune.autotune.cache import JsonCache
+from kvtune.autotune.search.sensitivity import (
     PROFILE_TEXT,
     RuntimeSettings,
     layer_sensitivity,
     mean_kl,
     probe_policy,
 )
-from runtime import LLM, KVPolicy
-from runtime.arch import arch_from_folder
-from runtime.tokenizer import Tokenizer
+from kvtune.runtime import LLM, KVPolicy
+from kvtune.runtime.arch import arch_from_folder
+from kvtune.runtime.tokenizer import Tokenizer
 
 
 def test_profile_measures_every_layer_matches_a_fresh_probe_and_is_cached(

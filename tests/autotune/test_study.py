@@ -10,10 +10,10 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autotune.config.engine_presets import engine_presets
-from autotune.search.space import SearchConfig, SearchSpace
-from autotune.study.objectives import Constraints
-from autotune.study.optuna_study import (
+from kvtune.autotune.config.engine_presets import engine_presets
+from kvtune.autotune.search.space import SearchConfig, SearchSpace
+from kvtune.autotune.study.objectives import Constraints
+from kvtune.autotune.study.optuna_study import (
     DUPLICATE_ATTR,
     FAILURE_ATTR,
     SAMPLERS,
@@ -29,11 +29,11 @@ from autotune.study.optuna_study import (
     open_storage,
     run_trials,
 )
-from autotune.study.results import trial_records
-from runtime.arch import ModelArch
-from runtime.errors import ConfigError
-from runtime.kv_bytes import kv_bytes_per_sequence
-from runtime.policy import KVPolicy
+from kvtune.autotune.study.results import trial_records
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
+from kvtune.runtime.policy import KVPolicy
 from tests.autotune.analytic_study import (
     ARCH,
     OBJECTIVES,

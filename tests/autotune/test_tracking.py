@@ -3,9 +3,9 @@ refreshed at the end, parent artifacts."""
 
 from mlflow import MlflowClient
 
-from autotune.study.optuna_study import enqueue_warm_starts, run_trials
-from autotune.study.results import pareto_front, trial_records
-from autotune.tracking.mlflow_tracker import StudyTracker
+from kvtune.autotune.study.optuna_study import enqueue_warm_starts, run_trials
+from kvtune.autotune.study.results import pareto_front, trial_records
+from kvtune.autotune.tracking.mlflow_tracker import StudyTracker
 from tests.autotune.analytic_study import (
     OBJECTIVES,
     new_study,

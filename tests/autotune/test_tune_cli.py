@@ -6,8 +6,8 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from autotune.study.results import pick_trial, trial_records
-from runtime.policy import KVPolicy
+from kvtune.autotune.study.results import pick_trial, trial_records
+from kvtune.runtime.policy import KVPolicy
 from tests.autotune.conftest import run_kvtune
 
 OBJECTIVES = ("accuracy_retention", "kv_bytes_per_sequence", "tpot_ms")

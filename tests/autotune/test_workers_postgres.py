@@ -25,7 +25,7 @@ import pytest
 from mlflow import MlflowClient
 from optuna.trial import TrialState
 
-from autotune.study.optuna_study import FAILURE_ATTR, counted, policy_key
+from kvtune.autotune.study.optuna_study import FAILURE_ATTR, counted, policy_key
 from tests.autotune.conftest import run_kvtune, start_kvtune
 
 APT_HINT = "apt-get install -y postgresql"

@@ -14,12 +14,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import PagedStream, stream_attention, stream_attention_ref
-from kernels.attention_decode import decode_attention, decode_attention_ref
-from kernels.attention_merge import merge_attention, merge_attention_ref
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, write_vectors_ref
-from kernels.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.attention import PagedStream, stream_attention, stream_attention_ref
+from kvtune.kernels.attention_decode import decode_attention, decode_attention_ref
+from kvtune.kernels.attention_merge import merge_attention, merge_attention_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, write_vectors_ref
+from kvtune.kernels.quantize import dequantize_ref, quantize_ref
 
 FORMATS = {
     "fp32": KVFormat("fp32"),

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import stream_attention, stream_attention_ref
-from kernels.attention_torch import cache_attention_torch
+from kvtune.kernels.attention import stream_attention, stream_attention_ref
+from kvtune.kernels.attention_torch import cache_attention_torch
 from tests.kernels.test_attention import FORMATS, build_stream, relative_error
 
 TOLERANCE = 1e-5

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention_merge import merge_attention, merge_attention_ref
+from kvtune.kernels.attention_merge import merge_attention, merge_attention_ref
 
 TOLERANCE = 1e-5
 

@@ -18,8 +18,8 @@ import math
 import pytest
 import torch
 
-from kernels.attention import stream_attention
-from kernels.attention_decode import decode_attention
+from kvtune.kernels.attention import stream_attention
+from kvtune.kernels.attention_decode import decode_attention
 from tests.conftest import TEST_DEVICE
 from tests.kernels.test_attention import (
     FORMATS,

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
-from kernels.attention import stream_attention_ref
-from kernels.attention_decode import decode_attention_ref
-from kernels.attention_merge import merge_attention_ref
-from kernels.attention_torch import cache_attention_torch, merge_decode_streams
+from kvtune.kernels.attention import stream_attention_ref
+from kvtune.kernels.attention_decode import decode_attention_ref
+from kvtune.kernels.attention_merge import merge_attention_ref
+from kvtune.kernels.attention_torch import cache_attention_torch, merge_decode_streams
 from tests.kernels.test_attention import (
     CSA_FORMATS,
     FORMATS,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cache_write import write_kv, write_kv_ref
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, read_vectors_ref
-from kernels.quantize import quantize_ref
+from kvtune.kernels.cache_write import write_kv, write_kv_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, read_vectors_ref
+from kvtune.kernels.quantize import quantize_ref
 
 FORMAT_PAIRS = [
     (KVFormat("fp8", 32), KVFormat("fp8", 32)),

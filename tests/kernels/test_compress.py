@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.compress import compress_blocks, compress_blocks_ref
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
+from kvtune.kernels.compress import compress_blocks, compress_blocks_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
 
 FORMAT_PAIRS = [
     (KVFormat("fp16"), KVFormat("fp8", 32)),

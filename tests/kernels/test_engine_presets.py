@@ -21,12 +21,12 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from kernels.cache_write import write_kv, write_kv_ref
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, read_vectors_ref
-from kernels.rotation import rotate, rotation_matrix, unrotate
-from runtime.calibration import tensor_scale
-from runtime.policy import KVPolicy
+from kvtune.kernels.cache_write import write_kv, write_kv_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, read_vectors_ref
+from kvtune.kernels.rotation import rotate, rotation_matrix, unrotate
+from kvtune.runtime.calibration import tensor_scale
+from kvtune.runtime.policy import KVPolicy
 from tests.kernels import engine_formats_ref as ref
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

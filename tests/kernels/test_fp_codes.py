@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp_codes import (
+from kvtune.kernels.fp_codes import (
     decode_e2m1,
     decode_e2m1_ref,
     decode_e4m3,

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.int_codes import decode_codes_fast
-from kernels.kv_format import KVFormat
-from kernels.quantize import dequantize, quantize, quantize_ref
+from kvtune.kernels.int_codes import decode_codes_fast
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.quantize import dequantize, quantize, quantize_ref
 from tests.kernels.test_quantize import assert_dequantize_matches_reference
 
 BITS = {"int8": 8, "int4": 4, "int3": 3, "int2": 2}

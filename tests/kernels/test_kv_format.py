@@ -2,7 +2,7 @@
 
 import pytest
 
-from kernels.kv_format import KVFormat
+from kvtune.kernels.kv_format import KVFormat
 
 
 def pool_bytes(codes, scales) -> int:

@@ -16,8 +16,8 @@ import pytest
 import torch
 import triton
 
-from kernels.kv_format import KVFormat
-from kernels.quantize import (
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.quantize import (
     dequantize,
     dequantize_ref,
     format_switches,
@@ -284,8 +284,8 @@ def compile_kernels_for_cuda() -> None:
     The interpreter accepts some code the GPU compiler rejects (and the reverse), so this runs
     in a process without TRITON_INTERPRET; see test_kernels_compile_for_cuda.
     """
-    from kernels import cache_write, compress
-    from kernels import quantize as quantize_module
+    from kvtune.kernels import cache_write, compress
+    from kvtune.kernels import quantize as quantize_module
 
     tile = {"HEAD_DIM": 96, "BLOCK_R": 32, "BLOCK_D": 128}
     for fmt in (
@@ -347,7 +347,7 @@ def compile_kernels_for_cuda() -> None:
 def compile_attention_for_cuda() -> None:
     """The paged attention kernel (causal and decode, fp4 K / fp8 V; causal int4 K / int2 V) and
     the LSE merge."""
-    from kernels import attention, attention_merge
+    from kvtune.kernels import attention, attention_merge
 
     pointers = {
         "q_ptr": "*fp16",

@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.compress import compress_blocks, compress_blocks_ref
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
-from kernels.rope_align import summary_alignment
-from kernels.rotation import rotation_matrix
-from runtime.model import apply_rope
+from kvtune.kernels.compress import compress_blocks, compress_blocks_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
+from kvtune.kernels.rope_align import summary_alignment
+from kvtune.kernels.rotation import rotation_matrix
+from kvtune.runtime.model import apply_rope
 
 HEADS, BLOCK = 2, 16
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_format import KVFormat
-from kernels.quantize import dequantize_ref, quantize_ref
-from kernels.rotation import (
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.rotation import (
     check_rotation,
     hadamard_matrix,
     randomized_hadamard,

@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 
-from kernels.attention import PagedStream
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
-from kernels.rotation import Rotation
-from kernels.selection import select_blocks, write_key_bounds
+from kvtune.kernels.attention import PagedStream
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
+from kvtune.kernels.rotation import Rotation
+from kvtune.kernels.selection import select_blocks, write_key_bounds
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
 

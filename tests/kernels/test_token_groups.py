@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import PagedStream, stream_attention
-from kernels.attention_decode import decode_attention
-from kernels.attention_torch import cache_attention_torch
-from kernels.compress import compress_blocks, compress_blocks_ref
-from kernels.kv_format import KVFormat
-from kernels.pool import KVPool, read_blocks_ref, read_vectors_ref, write_vectors_ref
+from kvtune.kernels.attention import PagedStream, stream_attention
+from kvtune.kernels.attention_decode import decode_attention
+from kvtune.kernels.attention_torch import cache_attention_torch
+from kvtune.kernels.compress import compress_blocks, compress_blocks_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import KVPool, read_blocks_ref, read_vectors_ref, write_vectors_ref
 from tests.kernels.test_zero_in_scale import oracle as zero_in_scale_oracle
 
 BLOCK, HEADS, DIM = 16, 2, 64
@@ -155,7 +155,7 @@ def test_per_channel_scales_keep_outlier_keys_far_better_than_per_token():
 
 
 def test_per_token_writes_are_refused():
-    from kernels.cache_write import write_kv
+    from kvtune.kernels.cache_write import write_kv
 
     fmt = FORMATS["int4_channel"]
     k_pool, v_pool = pool(fmt, 2), pool(fmt, 2)

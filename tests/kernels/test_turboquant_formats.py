@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_format import KVFormat
-from kernels.lloyd_max import levels
-from kernels.quantize import dequantize, quantize, quantize_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.lloyd_max import levels
+from kvtune.kernels.quantize import dequantize, quantize, quantize_ref
 from tests.kernels import engine_formats_ref as ref
 from tests.kernels.test_int_formats import _unpack
 from tests.kernels.test_quantize import assert_dequantize_matches_reference

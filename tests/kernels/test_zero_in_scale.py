@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.kv_format import KVFormat
-from kernels.quantize import dequantize, dequantize_ref, quantize, quantize_ref
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.quantize import dequantize, dequantize_ref, quantize, quantize_ref
 
 
 def round_half_away(v: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from runtime.model_source import resolve_model
+from kvtune.runtime.model_source import resolve_model
 
 TINY_VOCAB = 96
 INIT_STD = 0.02  # transformers' initializer_range: weights N(0, 0.02^2), biases 0, norms 1

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from runtime.block_manager import MAIN, RECENT, BlockManager
-from runtime.kv_bytes import sequence_blocks
-from runtime.policy import KVPolicy
+from kvtune.runtime.block_manager import MAIN, RECENT, BlockManager
+from kvtune.runtime.kv_bytes import sequence_blocks
+from kvtune.runtime.policy import KVPolicy
 
 POLICIES = [
     KVPolicy(),

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.quantize import dequantize_ref, quantize_ref
-from runtime import LLM
-from runtime.block_manager import MAIN
-from runtime.calibration import CALIBRATION_REPLY, CALIBRATION_TEXT, calibration_token_ids
-from runtime.kv_bytes import layer_formats
-from runtime.model import DenseCausalAttention
-from runtime.policy import KVPolicy
+from kvtune.kernels.quantize import dequantize_ref, quantize_ref
+from kvtune.runtime import LLM
+from kvtune.runtime.block_manager import MAIN
+from kvtune.runtime.calibration import CALIBRATION_REPLY, CALIBRATION_TEXT, calibration_token_ids
+from kvtune.runtime.kv_bytes import layer_formats
+from kvtune.runtime.model import DenseCausalAttention
+from kvtune.runtime.policy import KVPolicy
 from tests.runtime.test_engine import random_tokens
 
 
@@ -102,7 +102,7 @@ def test_the_cache_counts_the_values_its_range_clips(tiny_llama):
     """Per-tensor fp4 stores magnitudes up to 6 x its tensor scale (calibrated without headroom
     on another text): the stats count the K and V values beyond that, the same count as a dense
     forward pass whose attention reads the same fake-quantized K and V
-    (runtime/clip_counter.py)."""
+    (kvtune/runtime/clip_counter.py)."""
     policy = KVPolicy("fp4", "fp4", group_size="tensor", block_size=8)
     llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
     tokens = random_tokens(40, seed=4)

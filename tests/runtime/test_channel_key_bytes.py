@@ -1,9 +1,9 @@
 """Per-channel key scales (k_scale_axis=channel) in the shared byte arithmetic: bytes by exact
 formula, and an fp16 tail block until a block is full."""
 
-from runtime.arch import ModelArch
-from runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
-from runtime.policy import KVPolicy
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
+from kvtune.runtime.policy import KVPolicy
 
 SMOL = ModelArch("smol", 30, 9, 3, 64, 0, 8192)
 FP16_TOKEN = 30 * 3 * 64 * 2 * 2  # K and V, 2 bytes an element: 23,040

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from runtime.checkpoint import RopeScaling, open_checkpoint, parse_config
-from runtime.errors import ConfigError
-from runtime.model_source import resolve_model
+from kvtune.runtime.checkpoint import RopeScaling, open_checkpoint, parse_config
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.model_source import resolve_model
 
 SMALL = dict(
     hidden_size=32,

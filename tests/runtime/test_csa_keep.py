@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from runtime import LLM
-from runtime.block_manager import MAIN
-from runtime.errors import ConfigError
-from runtime.kv_cache import KVCache
-from runtime.policy import KVPolicy
+from kvtune.runtime import LLM
+from kvtune.runtime.block_manager import MAIN
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_cache import KVCache
+from kvtune.runtime.policy import KVPolicy
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8

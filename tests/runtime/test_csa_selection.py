@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM
-from runtime.block_manager import HOST, MAIN
-from runtime.kv_cache import KVCache
-from runtime.policy import KVPolicy
+from kvtune.runtime import LLM
+from kvtune.runtime.block_manager import HOST, MAIN
+from kvtune.runtime.kv_cache import KVCache
+from kvtune.runtime.policy import KVPolicy
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8
@@ -115,7 +115,7 @@ def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_resu
     prompts = [random_tokens(100, seed=17), random_tokens(70, seed=18)]
     local = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
     expected = local.prompt_logits_batch(prompts)
-    monkeypatch.setattr("runtime.kv_cache.KVCache._host_is_remote", lambda self, host: True)
+    monkeypatch.setattr("kvtune.runtime.kv_cache.KVCache._host_is_remote", lambda self, host: True)
     remote = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
     for got, want in zip(remote.prompt_logits_batch(prompts), expected, strict=True):
         assert torch.equal(got, want)

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-from runtime import LLM
-from runtime.block_manager import HOST, INDEX, MAIN, RECENT
-from runtime.errors import ConfigError
-from runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
-from runtime.policy import KVPolicy
+from kvtune.runtime import LLM
+from kvtune.runtime.block_manager import HOST, INDEX, MAIN, RECENT
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
+from kvtune.runtime.policy import KVPolicy
 from tests.runtime.conftest import TINY_VOCAB
 
 
@@ -314,7 +314,7 @@ def test_triton_backend_agrees_with_torch(tiny_llama, policy):
     ],
 )
 def test_bad_settings_fail_before_weights_load(tiny_llama, monkeypatch, kwargs, field):
-    from runtime.model import DecoderModel
+    from kvtune.runtime.model import DecoderModel
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before validation")

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime import LLM
-from runtime.policy import KVPolicy
+from kvtune.runtime import LLM
+from kvtune.runtime.policy import KVPolicy
 from tests.conftest import TEST_DEVICE
 from tests.runtime.test_engine import SELECTING, TRITON_POLICIES, random_tokens, relative_error
 

@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from runtime import gguf_convert, model_source
-from runtime.errors import ConfigError
-from runtime.fingerprint import source_fingerprint
-from runtime.gguf_convert import convert_gguf, unpermute_rope_rows
-from runtime.model_source import embedded_gguf, resolve_model
-from runtime.tokenizer import Tokenizer
+from kvtune.runtime import gguf_convert, model_source
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.fingerprint import source_fingerprint
+from kvtune.runtime.gguf_convert import convert_gguf, unpermute_rope_rows
+from kvtune.runtime.model_source import embedded_gguf, resolve_model
+from kvtune.runtime.tokenizer import Tokenizer
 
 # Text where llama.cpp's "smollm" pre-tokenizer and transformers' GGUF converter agree.
 TEXTS = [

@@ -2,8 +2,8 @@
 
 import pytest
 
-from runtime.arch import ModelArch
-from runtime.kv_bytes import (
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.kv_bytes import (
     SequenceBlocks,
     host_kv_bytes_per_sequence,
     kv_bytes_per_sequence,
@@ -11,7 +11,7 @@ from runtime.kv_bytes import (
     max_fetch_bytes_per_step,
     sequence_blocks,
 )
-from runtime.policy import KVPolicy
+from kvtune.runtime.policy import KVPolicy
 
 # SmolLM2-135M: 30 layers, 3 KV heads, head_dim 64.
 SMOL = ModelArch("smol", 30, 9, 3, 64, 0, 8192)

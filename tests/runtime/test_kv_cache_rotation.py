@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.quantize import dequantize_ref, quantize_ref
-from kernels.rotation import rotation_matrix
-from runtime import LLM
-from runtime.block_manager import MAIN
-from runtime.calibration import FREE_HEADROOM, calibration_token_ids
-from runtime.kv_bytes import layer_formats
-from runtime.model import DenseCausalAttention
-from runtime.policy import KVPolicy
+from kvtune.kernels.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.rotation import rotation_matrix
+from kvtune.runtime import LLM
+from kvtune.runtime.block_manager import MAIN
+from kvtune.runtime.calibration import FREE_HEADROOM, calibration_token_ids
+from kvtune.runtime.kv_bytes import layer_formats
+from kvtune.runtime.model import DenseCausalAttention
+from kvtune.runtime.policy import KVPolicy
 from tests.runtime.test_engine import random_tokens, relative_error
 
 ROTATED = KVPolicy("int4", "int2", group_size=16, rotation="hadamard", block_size=8, chunk_size=16)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from runtime.dtypes import compute_dtype_name
-from runtime.errors import ConfigError
-from runtime.llm import LLM
+from kvtune.runtime.dtypes import compute_dtype_name
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.llm import LLM
 
 SPELLINGS = [
     ("fp32", torch.float32),
@@ -40,7 +40,7 @@ def test_auto_is_the_dtype_the_checkpoint_declares(tiny_llama):
 
 @pytest.mark.parametrize("dtype", ["float64", "fp8", "int8", torch.float64, ""])
 def test_other_dtypes_are_refused_in_one_line_before_weights_load(tiny_llama, monkeypatch, dtype):
-    from runtime.model import DecoderModel
+    from kvtune.runtime.model import DecoderModel
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded before validation")

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-from runtime.errors import ConfigError
-from runtime.model import DecoderModel, DenseCausalAttention
-from runtime.tokenizer import Tokenizer
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.model import DecoderModel, DenseCausalAttention
+from kvtune.runtime.tokenizer import Tokenizer
 
 TOLERANCE = 1e-4
 SMALL = dict(

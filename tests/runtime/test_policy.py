@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kernels.kv_format import KVFormat
-from runtime.arch import ModelArch
-from runtime.errors import ConfigError
-from runtime.policy import KVPolicy
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.policy import KVPolicy
 
 SMOL = ModelArch("smol", 30, 9, 3, 64, 0, 8192)
 MLA = ModelArch("mla", 4, 16, 16, 192, 0, 4096, kv_lora_rank=512, qk_rope_head_dim=64)

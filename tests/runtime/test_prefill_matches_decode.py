@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime import LLM
-from runtime.policy import KVPolicy
+from kvtune.runtime import LLM
+from kvtune.runtime.policy import KVPolicy
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8

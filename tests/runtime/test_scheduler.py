@@ -2,12 +2,12 @@
 
 import pytest
 
-from runtime.block_manager import MAIN, BlockManager
-from runtime.errors import ConfigError
-from runtime.kv_bytes import sequence_blocks
-from runtime.policy import KVPolicy
-from runtime.scheduler import Scheduler
-from runtime.sequence import RequestMetrics, Sequence, SequenceStatus
+from kvtune.runtime.block_manager import MAIN, BlockManager
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_bytes import sequence_blocks
+from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.scheduler import Scheduler
+from kvtune.runtime.sequence import RequestMetrics, Sequence, SequenceStatus
 
 
 def make_seq(seq_id: int, prompt_len: int, max_new: int = 4) -> Sequence:

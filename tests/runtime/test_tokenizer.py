@@ -7,8 +7,8 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from runtime.errors import ConfigError
-from runtime.tokenizer import Tokenizer
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.tokenizer import Tokenizer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Name the capital of France in one word."}],

@@ -1,0 +1,272 @@
+"""The `kvtune` lm-eval model: lm-eval requests scored by the kvtune runtime under a KV policy.
+
+Log-likelihoods come from `LLM.prompt_logits_batch`, the chunked prefill through the policy's
+quantized / compressed cache, so they measure exactly what serving under the policy would
+compute. Tokenization and windowing follow lm-eval's `hf` model (context/continuation split,
+rolling windows, left truncation), so with `auto` K/V dtypes the numbers equal lm-eval's own on
+the same weights. Requests whose tokens are prefixes of others share their prefill pass
+(prefill_plan.py). An optional observer sees the log-probabilities at every scored position
+(fidelity.py records them against the uncompressed baseline).
+
+    lm = KVTuneLM(model="smollm2-135m", k_dtype="fp8", v_dtype="fp8")
+    lm_eval.simple_evaluate(model=lm, tasks=[...])
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from lm_eval import utils as lm_utils
+from lm_eval.api.instance import Instance
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from kvtune.autotune.evaluation.prefill_plan import share_prefixes, token_batches
+from kvtune.runtime.llm import LLM, as_policy
+from kvtune.runtime.policy import KVPolicy
+
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+class Observer(Protocol):
+    """Receives each scored request's log-probabilities.
+
+    key: (context, continuation) of a loglikelihood request, (text, window index) of a rolling
+    window. logprobs: fp32 log-softmax rows [num_tail + continuation tokens, vocab], the
+    num_tail prompt positions before the continuation first.
+    """
+
+    def __call__(self, key: tuple[str, ...], logprobs: torch.Tensor, num_tail: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class ScoringItem:
+    """One scored span: the model reads `inputs`; its last len(targets) positions predict
+    `targets`."""
+
+    key: tuple[str, ...]
+    inputs: list[int]
+    targets: list[int]
+    num_tail: int
+
+    @property
+    def end(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def first_read(self) -> int:
+        """First position whose logits the item reads (its tail, then its targets)."""
+        return self.end - len(self.targets) - self.num_tail
+
+
+@register_model("kvtune")
+class KVTuneLM(TemplateLM):
+    """lm-eval model over the kvtune runtime (`--model kvtune --model_args k_dtype=fp8,...`).
+
+    policy: a KVPolicy or dict; policy_fields (k_dtype=..., csa_ratio=...) override it field
+    by field. kl_tail_tokens: prompt positions before each continuation also passed to the
+    observer. batch_tokens: prompt tokens prefilled per runtime call (bounds the fp32 logits
+    held at once). batch_size: lm-eval's, used as max_num_seqs when it is a number;
+    max_batch_size: accepted from lm-eval's command line, unused (the engine batches).
+    """
+
+    def __init__(
+        self,
+        model: str = "smollm2-135m",
+        policy: KVPolicy | Mapping[str, Any] | None = None,
+        backend: str = "torch",
+        device: str = "cpu",
+        dtype: str = "fp32",
+        max_num_seqs: int = 4,
+        max_model_len: int | None = None,
+        batch_tokens: int = 8192,
+        kl_tail_tokens: int = 0,
+        observer: Observer | None = None,
+        batch_size: int | str | None = None,
+        max_batch_size: int | None = None,
+        **policy_fields: Any,
+    ) -> None:
+        super().__init__()
+        if policy_fields:
+            policy = KVPolicy.from_dict({**as_policy(policy).to_dict(), **policy_fields})
+        if isinstance(batch_size, int):
+            max_num_seqs = batch_size
+        self.llm = LLM(
+            model,
+            policy=policy,
+            backend=backend,
+            device=device,
+            max_num_seqs=max_num_seqs,
+            dtype=dtype,
+            max_model_len=max_model_len,
+        )
+        self.model_name = model
+        self.tokenizer = self.llm.tokenizer
+        self.batch_tokens = batch_tokens
+        self.kl_tail_tokens = kl_tail_tokens
+        self.observer = observer
+
+    @property
+    def policy(self) -> KVPolicy:
+        return self.llm.policy
+
+    @property
+    def eot_token_id(self) -> int:
+        eos = self.tokenizer.token_id("eos_token")
+        return eos if eos is not None else self.tokenizer.eos_token_ids[0]
+
+    @property
+    def prefix_token_id(self) -> int:
+        """Token before a rolling window's first token: BOS, else EOS (as lm-eval's hf)."""
+        bos = self.tokenizer.token_id("bos_token")
+        return bos if bos is not None else self.eot_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self.llm.engine.config.max_model_len
+
+    @property
+    def max_gen_toks(self) -> int:
+        return DEFAULT_MAX_GEN_TOKS
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.model_name
+
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
+    ) -> list[int]:
+        """Token ids; by default with the tokenizer's special tokens, unless the text already
+        starts with the BOS token (as lm-eval's hf model)."""
+        if add_special_tokens is None:
+            bos = self.tokenizer.special_tokens.get("bos_token")
+            add_special_tokens = not (bos and string.startswith(bos))
+        return self.tokenizer.encode(string, add_special_tokens=add_special_tokens)
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        return self.tokenizer.apply_chat_template(chat_history, add_generation_prompt)
+
+    def _item(
+        self, key: tuple[str, ...], context: list[int], continuation: list[int], tail: int
+    ) -> ScoringItem:
+        """lm-eval's hf truncation: keep the last max_length + 1 tokens, feed all but the last."""
+        whole = (context + continuation)[-(self.max_length + 1) :]
+        inputs = whole[:-1]
+        targets = continuation[-min(len(continuation), len(inputs)) :] if continuation else []
+        return ScoringItem(key, inputs, targets, min(tail, len(inputs) - len(targets)))
+
+    def _loglikelihood_tokens(
+        self,
+        requests: list[tuple[tuple[str, str], list[int], list[int]]],
+        disable_tqdm: bool = False,
+        **kwargs: Any,
+    ) -> list[tuple[float, bool]]:
+        items = [
+            self._item(key, context, continuation, self.kl_tail_tokens)
+            for key, context, continuation in requests
+        ]
+        results = self._score(items, "loglikelihood", disable_tqdm)
+        for item, result in zip(items, results, strict=True):
+            self.cache_hook.add_partial("loglikelihood", item.key, result)
+        return results
+
+    def loglikelihood_rolling(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[float]:
+        """Sum of token log-likelihoods of each text over lm-eval's disjoint rolling windows."""
+        items, owners = [], []
+        for owner, (text,) in enumerate(request.args for request in requests):
+            windows = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            for index, window in enumerate(windows):
+                context, continuation = lm_utils.make_disjoint_window(window)
+                items.append(self._item((text, str(index)), context, continuation, 0))
+                owners.append(owner)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(
+            owners, self._score(items, "loglikelihood_rolling", disable_tqdm), strict=True
+        ):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def _score(
+        self, items: list[ScoringItem], what: str, disable_tqdm: bool
+    ) -> list[tuple[float, bool]]:
+        """(log-likelihood of the targets, whether greedy decoding yields them) per item."""
+        serving = share_prefixes([item.inputs for item in items])
+        hosts = list(dict.fromkeys(serving))
+        served: dict[int, list[int]] = defaultdict(list)
+        for index, host in enumerate(serving):
+            served[host].append(index)
+        results: list[tuple[float, bool]] = [(0.0, True)] * len(items)
+        lengths = [len(items[host].inputs) for host in hosts]
+        # Each pass projects to the vocabulary only from the first position a served item reads.
+        starts = [
+            min([items[i].first_read for i in served[host]] + [len(items[host].inputs) - 1])
+            for host in hosts
+        ]
+        bar = tqdm(total=sum(lengths), unit="tok", desc=f"kvtune {what}", disable=disable_tqdm)
+        with bar:
+            for batch in token_batches(lengths, self.batch_tokens):
+                prompts = [items[hosts[b]].inputs for b in batch]
+                logits = self.llm.prompt_logits_batch(prompts, [starts[b] for b in batch])
+                for b, host_logits in zip(batch, logits, strict=True):
+                    for index in served[hosts[b]]:
+                        results[index] = self._read(items[index], host_logits, starts[b])
+                bar.update(sum(lengths[b] for b in batch))
+        return results
+
+    def _read(self, item: ScoringItem, logits: torch.Tensor, offset: int) -> tuple[float, bool]:
+        """Score one item from its host's logits, whose first row is position `offset`."""
+        rows = torch.log_softmax(logits[item.first_read - offset : item.end - offset].float(), -1)
+        scored = rows[item.num_tail :]
+        targets = torch.tensor(item.targets, dtype=torch.long)
+        logprob = float(scored.gather(1, targets[:, None]).sum())
+        greedy = bool((scored.argmax(dim=-1) == targets).all())
+        if self.observer is not None:
+            self.observer(item.key, rows, item.num_tail)
+        return logprob, greedy
+
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Greedy (or sampled) continuations cut at the first `until` string, batched through
+        the engine per distinct set of generation arguments."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for index, request in enumerate(requests):
+            groups[json.dumps(request.args[1], sort_keys=True)].append(index)
+        results = [""] * len(requests)
+        for kwargs_text, indices in tqdm(
+            groups.items(), desc="kvtune generate", disable=disable_tqdm
+        ):
+            kwargs = json.loads(kwargs_text)
+            # The engine stops at the tokenizer's EOS ids; `until` strings cut the text after.
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else until
+            max_new = int(kwargs.get("max_gen_toks", self.max_gen_toks))
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+            contexts = [requests[i].args[0] for i in indices]
+            prompts = [self.tok_encode(c)[-(self.max_length - max_new) :] for c in contexts]
+            generations = self.llm.generate(prompts, max_new, temperature)
+            for index, generation in zip(indices, generations, strict=True):
+                text = generation.text
+                for stop in until:
+                    text = text.split(stop)[0] if stop else text
+                results[index] = text
+                self.cache_hook.add_partial("generate_until", requests[index].args, text)
+        return results

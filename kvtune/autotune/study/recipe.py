@@ -1,0 +1,180 @@
+"""A study's recipe: the composed config that defines it, validated into ready objects.
+
+`kvtune tune` stores the recipe in the Optuna study, so a worker on another machine, a resumed
+run and `kvtune export` rebuild exactly the same model, workload, search space, suite and
+objectives from the storage alone. Everything here is cheap and runs before any model weights
+are read: a bad value fails with one ConfigError line naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvtune.autotune.cache import JsonCache
+from kvtune.autotune.config.settings import (
+    DeviceSpec,
+    ServeSettings,
+    build_device,
+    build_model_arch,
+)
+from kvtune.autotune.config.workload import Workload
+from kvtune.autotune.search.sensitivity import RuntimeSettings, group_layers, layer_sensitivity
+from kvtune.autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
+from kvtune.autotune.study.objectives import Constraints, TrialContext, parse_objectives
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.backends import BACKENDS
+from kvtune.runtime.dtypes import compute_dtype_name
+from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.model_source import resolve_model
+
+RECIPE_KEYS = (
+    "model",
+    "arch",
+    "device",
+    "serve",
+    "workload",
+    "search",
+    "eval",
+    "objectives",
+    "constraints",
+    "runtime",
+)
+
+
+def plain(node: Any) -> Any:
+    """Plain Python containers from OmegaConf nodes (JSON-serializable)."""
+    if isinstance(node, DictConfig) or OmegaConf.is_list(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+def recipe_from_config(cfg: DictConfig, command_line: Iterable[str]) -> dict[str, Any]:
+    """The recipe of `kvtune tune`'s composed config (the model's arch resolved once, here)."""
+    for key in RECIPE_KEYS:
+        if key != "arch" and key not in cfg:
+            raise ConfigError(key, None, "a config group or block (missing)")
+    arch = build_model_arch(cfg.model, command_line)
+    recipe = {key: plain(cfg[key]) for key in RECIPE_KEYS if key != "arch"}
+    recipe["arch"] = dataclasses.asdict(arch)
+    runtime = recipe["runtime"]
+    if isinstance(runtime, Mapping) and "dtype" in runtime:  # one spelling in the stored recipe
+        dtype = compute_dtype_name(runtime["dtype"], arch.dtype, field="runtime.dtype")
+        recipe["runtime"] = {**runtime, "dtype": dtype}
+    return recipe
+
+
+def recipe_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
+    """Dotted keys whose values differ between two recipes."""
+    keys = sorted(set(stored) | set(wanted))
+    differences = []
+    for key in keys:
+        left, right = stored.get(key), wanted.get(key)
+        if isinstance(left, Mapping) and isinstance(right, Mapping):
+            differences += [f"{key}.{sub}" for sub in recipe_differences(left, right)]
+        elif left != right:
+            differences.append(key)
+    return differences
+
+
+@dataclass(frozen=True)
+class TuneSetup:
+    """A validated recipe: the objects every trial, worker and export uses."""
+
+    recipe: dict[str, Any]
+    model: str
+    folder: Path
+    arch: ModelArch
+    device: DeviceSpec
+    serve: ServeSettings
+    workload: Workload
+    search: SearchConfig
+    objectives: tuple[str, ...]
+    constraints: Constraints
+    suite: Mapping[str, Any]
+    runtime: RuntimeSettings
+
+    def trial_context(self) -> TrialContext:
+        return TrialContext(
+            model=self.model,
+            folder=self.folder,
+            arch=self.arch,
+            device=self.device,
+            serve=self.serve,
+            workload=self.workload,
+            suite=self.suite,
+            runtime=self.runtime,
+        )
+
+    def search_space(self, sensitivity_cache: JsonCache) -> SearchSpace:
+        """Resolve the layer groups (profiling sensitivity on first use of a model)."""
+        groups = self.search.layer_groups
+        layers = self.arch.num_layers
+        if groups == ALL_LAYERS:
+            resolved = tuple((layer,) for layer in range(layers))
+        elif groups == 1:
+            resolved = (tuple(range(layers)),)
+        else:
+            profile = layer_sensitivity(
+                self.model, self.folder, self.arch, self.runtime, sensitivity_cache
+            )
+            resolved = group_layers(profile.scores, groups)
+        return SearchSpace(self.search, resolved, layers)
+
+
+def _runtime(data: Mapping[str, Any]) -> RuntimeSettings:
+    known = {f.name for f in dataclasses.fields(RuntimeSettings)}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"runtime.{key}", data[key], f"one of {', '.join(sorted(known))}")
+    runtime = RuntimeSettings(**data)
+    if runtime.backend not in BACKENDS:
+        raise ConfigError("runtime.backend", runtime.backend, f"one of {', '.join(BACKENDS)}")
+    return runtime
+
+
+def _suite(eval_cfg: Mapping[str, Any], model: str, runtime: RuntimeSettings) -> dict[str, Any]:
+    """The eval preset with the study's model and runtime filled in, validated."""
+    from kvtune.autotune.evaluation.suite import load_suite
+
+    data = {
+        **eval_cfg,
+        "model": model,
+        "backend": runtime.backend,
+        "device": runtime.device,
+        "dtype": runtime.dtype,
+    }
+    return load_suite(data).to_dict()
+
+
+def build_setup(recipe: Mapping[str, Any]) -> TuneSetup:
+    """Validate a recipe into a TuneSetup (cheap; the embedded model converts on first use)."""
+    arch = ModelArch(**recipe["arch"])
+    model = str(recipe["model"].get("path") or recipe["model"]["name"])
+    folder = resolve_model(model)
+    workload = Workload.from_dict(recipe["workload"])
+    serve_cfg = {
+        **recipe["serve"],
+        "max_model_len": workload.max_model_len,
+        "expected_context_len": workload.context_len,
+    }
+    runtime = _runtime(recipe["runtime"])
+    return TuneSetup(
+        recipe=dict(recipe),
+        model=model,
+        folder=folder,
+        arch=arch,
+        device=build_device(recipe["device"]),
+        serve=ServeSettings(**serve_cfg),
+        workload=workload,
+        search=SearchConfig.from_dict(recipe["search"], arch),
+        objectives=parse_objectives(recipe["objectives"]),
+        constraints=Constraints.from_dict(recipe["constraints"]),
+        suite=_suite(recipe["eval"], model, runtime),
+        runtime=runtime,
+    )

@@ -1,0 +1,198 @@
+"""MLflow tracking of a study, logged directly with MlflowClient.
+
+One experiment per study (named after it), one parent run per `kvtune tune` / `kvtune worker`
+invocation, one nested child run per trial: the policy flattened into params (per-layer dtypes
+as a compact string plus per-dtype layer counts), every metric, and tags (trial number, state,
+failure reason, pareto=true|false). At the end of an invocation the pareto tags of every trial
+run in the experiment are refreshed and the parent run gets the Pareto front (PNG and HTML),
+all trials as CSV and the exported policies of the front. Runs share param and metric names,
+so the MLflow UI compares them side by side (parallel coordinates included).
+
+The experiment is tagged as model development (`mlflow.experimentKind`) and carries a markdown
+description of what its runs hold. MLflow 3.17's UI ignores the tag and opens the view that its
+per-browser switch names (GenAI by default, where runs are not listed), so the description's
+first line, shown folded in every view, says where the runs are.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import optuna
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from optuna.trial import FrozenTrial, TrialState
+
+from kvtune.autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR
+from kvtune.autotune.study.results import TrialRecord, policy_columns, write_trials_csv
+from kvtune.autotune.tracking.plots import pareto_html, pareto_png
+from kvtune.runtime.policy import KVPolicy
+
+logger = logging.getLogger(__name__)
+
+TRIAL_KIND = "trial"
+PARENT_KIND = "invocation"
+MLFLOW_BATCH = 900  # below MLflow's 1000-entry log_batch limit
+# The experiment kind MLflow 3's UI reads where it does not follow its GenAI / Model training
+# switch (3.17 follows the switch: see the module docstring).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+DESCRIPTION_TAG = "mlflow.note.content"
+
+
+def default_tracking_uri(workdir: Path) -> str:
+    return f"sqlite:///{workdir.resolve() / 'mlflow.db'}"
+
+
+def default_artifact_root(workdir: Path) -> Path:
+    return workdir.resolve() / "mlartifacts"
+
+
+def experiment_description(study_name: str, params: Mapping[str, Any]) -> str:
+    """The experiment's markdown description: what the study is and where to look."""
+    facts = "\n".join(f"- {key}: `{value}`" for key, value in params.items())
+    return (
+        f"kvtune study **{study_name}**: KV-cache policies measured on the kvtune runtime; "
+        "its runs are in the **Model training** view (switch at the top left).\n\n"
+        f"{facts}\n\n"
+        "Each `kvtune tune` / `kvtune worker` invocation is a parent run holding the Pareto "
+        "front (`pareto_front.png`, interactive `pareto_front.html`), all trials "
+        "(`trials.csv`), the recipe and the front's policies (`front/`). Expand it for one "
+        "nested run per trial: the policy as params, every metric, tags `pareto`, `state` and "
+        "`failure_reason`. Select trial runs and press **Compare** for parallel coordinates.\n"
+    )
+
+
+def _chunks(items: Sequence[Any]) -> list[Sequence[Any]]:
+    return [items[i : i + MLFLOW_BATCH] for i in range(0, len(items), MLFLOW_BATCH)] or [[]]
+
+
+class StudyTracker:
+    """The MLflow side of one invocation on one study."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        artifact_root: Path,
+        study_name: str,
+        command: str,
+        params: Mapping[str, Any],
+        num_layers: int,
+    ) -> None:
+        for noisy in ("alembic", "mlflow.store.db.utils"):
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        self.num_layers = num_layers
+        experiment = self.client.get_experiment_by_name(study_name)
+        tags = {
+            EXPERIMENT_KIND_TAG: EXPERIMENT_KIND,
+            DESCRIPTION_TAG: experiment_description(study_name, params),
+        }
+        if experiment is None:
+            location = (artifact_root / study_name).as_uri()
+            self.experiment_id = self.client.create_experiment(study_name, location, tags)
+        else:  # an experiment from before these tags; a description a user wrote is kept
+            self.experiment_id = experiment.experiment_id
+            for key, value in tags.items():
+                if key not in experiment.tags:
+                    self.client.set_experiment_tag(self.experiment_id, key, value)
+        run = self.client.create_run(
+            self.experiment_id,
+            run_name=f"{command} {time.strftime('%Y-%m-%d %H:%M:%S')}",
+            tags={"kvtune.kind": PARENT_KIND, "kvtune.command": command},
+        )
+        self.parent_id = run.info.run_id
+        self.client.log_batch(
+            self.parent_id, params=[Param(k, str(v)) for k, v in params.items()], synchronous=True
+        )
+
+    def log_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Optuna callback: one child run for a finished trial (surplus ones never ran)."""
+        if trial.user_attrs.get(SURPLUS_ATTR) or trial.state == TrialState.PRUNED:
+            return
+        tags = {
+            "mlflow.parentRunId": self.parent_id,
+            "kvtune.kind": TRIAL_KIND,
+            "trial_number": str(trial.number),
+            "state": trial.state.name,
+            "pareto": "false",
+        }
+        if FAILURE_ATTR in trial.user_attrs:
+            tags["failure_reason"] = str(trial.user_attrs[FAILURE_ATTR])[:5000]
+        if "warm_start" in trial.user_attrs:
+            tags["warm_start"] = trial.user_attrs["warm_start"]
+        run = self.client.create_run(
+            self.experiment_id, run_name=f"trial {trial.number}", tags=tags
+        )
+        policy = trial.user_attrs.get("policy")
+        record_params = policy_columns(
+            None if policy is None else KVPolicy.from_dict(policy), self.num_layers
+        )
+        params = [Param(k, str(v)) for k, v in record_params.items()]
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(name, float(value), now, 0)
+            for name, value in trial.user_attrs.get("metrics", {}).items()
+        ]
+        if "cached" in trial.user_attrs:
+            metrics.append(Metric("cached", float(trial.user_attrs["cached"]), now, 0))
+            metrics.append(Metric("trial_seconds", float(trial.user_attrs["seconds"]), now, 0))
+        for chunk in _chunks(params):
+            self.client.log_batch(run.info.run_id, params=chunk, synchronous=True)
+        for chunk in _chunks(metrics):
+            self.client.log_batch(run.info.run_id, metrics=chunk, synchronous=True)
+        status = RunStatus.FINISHED if trial.state == TrialState.COMPLETE else RunStatus.FAILED
+        self.client.set_terminated(run.info.run_id, RunStatus.to_string(status))
+
+    def trial_runs(self) -> list[Any]:
+        """Every trial run of the experiment (all invocations)."""
+        runs, token = [], None
+        while True:
+            page = self.client.search_runs(
+                [self.experiment_id],
+                filter_string=f"tags.`kvtune.kind` = '{TRIAL_KIND}'",
+                page_token=token,
+            )
+            runs += list(page)
+            token = page.token
+            if not token:
+                return runs
+
+    def refresh_pareto_tags(self, front: Sequence[int]) -> None:
+        for run in self.trial_runs():
+            on_front = int(run.data.tags["trial_number"]) in front
+            tag = RunTag("pareto", "true" if on_front else "false")
+            self.client.log_batch(run.info.run_id, tags=[tag], synchronous=True)
+
+    def finish(
+        self,
+        records: Sequence[TrialRecord],
+        front: Sequence[int],
+        objectives: Sequence[str],
+        front_policies: Mapping[int, str],
+        recipe_yaml: str,
+    ) -> None:
+        """Refresh pareto tags, attach the study's artifacts to the parent run, close it."""
+        self.refresh_pareto_tags(front)
+        with tempfile.TemporaryDirectory() as folder:
+            out = Path(folder)
+            write_trials_csv(records, front, self.num_layers, out / "trials.csv")
+            (out / "recipe.yaml").write_text(recipe_yaml)
+            if any(r.complete for r in records):
+                pareto_png(records, front, objectives, out / "pareto_front.png")
+                pareto_html(records, front, objectives, self.num_layers, out / "pareto_front.html")
+            (out / "front").mkdir()
+            for number, text in front_policies.items():
+                (out / "front" / f"trial_{number}.kvtune.yaml").write_text(text)
+            self.client.log_artifacts(self.parent_id, str(out))
+        self.client.set_tag(self.parent_id, "pareto_trials", ",".join(map(str, front)) or "none")
+        self.client.set_terminated(self.parent_id, "FINISHED")
+
+    def fail(self) -> None:
+        """Close the parent run as failed (the invocation stopped with an error)."""
+        self.client.set_terminated(self.parent_id, "FAILED")

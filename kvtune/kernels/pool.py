@@ -1,0 +1,175 @@
+"""A paged K or V pool (codes, group scales, format, tensor scale) and torch reference reads and
+writes of its vectors by slot.
+
+Slots address token positions in the pool: slot = block_id * block_size + offset, so the
+vector of (slot, head) is codes.flatten(0, 1)[slot, head]. Kernels read and write pools through
+`kvtune.kernels.quantize.load_dequant_tile` / `quantize_store_tile` with rows = slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.quantize import (
+    check_kernel_format,
+    code_width,
+    dequantize_ref,
+    quantize_ref,
+    tensor_scale_or_one,
+)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """One paged K or V pool, as `KVFormat.allocate` lays it out.
+
+    codes: [num_blocks, block_size, num_heads, width] in fmt's code dtype (width = head_dim for
+        fp32/fp16/bf16, else head_dim * bits / 8 code bytes: fp8/int8 one a code, fp4/int4 two
+        codes a byte, int2 four).
+    scales: [num_blocks, block_size / fmt.token_group, num_heads, fmt.scales_per_vector] fp16
+        or uint8 E4M3 group scales (followed by the group zero points for the integer formats),
+        or None when fmt keeps none.
+    tensor_scale: positive fp32 one-element tensor multiplying every dequantized value of a
+        quantized format (see `kvtune.kernels.quantize`); None means 1.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor | None
+    fmt: KVFormat
+    tensor_scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        codes = self.codes
+        if codes.dim() != 4 or not codes.is_contiguous():
+            raise ValueError(f"codes.shape={tuple(codes.shape)}: must be contiguous 4-D")
+        head_dim = self.head_dim
+        check_kernel_format(self.fmt, head_dim)
+        if codes.dtype != self.fmt.code_torch_dtype or codes.shape[3] != code_width(
+            self.fmt, head_dim
+        ):
+            raise ValueError(f"codes: dtype {codes.dtype} does not store {self.fmt}")
+        self.fmt.check_block_size(codes.shape[1])
+        groups = self.fmt.scales_per_vector(head_dim)
+        rows = codes.shape[1] // self.fmt.token_group
+        expected = (codes.shape[0], rows, codes.shape[2], groups)
+        if groups == 0 and self.scales is not None:
+            raise ValueError(f"scales: must be None for {self.fmt}")
+        if groups and (self.scales is None or tuple(self.scales.shape) != expected):
+            raise ValueError(f"scales: must have shape {expected} for {self.fmt}")
+        if groups and (
+            self.scales.dtype != self.fmt.scale_torch_dtype or not self.scales.is_contiguous()
+        ):
+            raise ValueError(f"scales: must be contiguous {self.fmt.scale_torch_dtype}")
+        object.__setattr__(
+            self, "tensor_scale", tensor_scale_or_one(self.tensor_scale, codes.device)
+        )
+
+    @classmethod
+    def allocate(
+        cls,
+        fmt: KVFormat,
+        num_blocks: int,
+        block_size: int,
+        num_heads: int,
+        head_dim: int,
+        tensor_scale: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
+    ) -> KVPool:
+        """A zero-filled pool of num_blocks blocks of block_size tokens."""
+        codes, scales = fmt.allocate(num_blocks, block_size, num_heads, head_dim, device)
+        return cls(codes, scales, fmt, tensor_scale)
+
+    @property
+    def num_slots(self) -> int:
+        return self.codes.shape[0] * self.codes.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.codes.shape[1]
+
+    @property
+    def num_heads(self) -> int:
+        return self.codes.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        width = self.codes.shape[3]
+        return width * 8 // self.fmt.element.bits if self.fmt.quantized else width
+
+
+def read_vectors_ref(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 vectors [len(slots), num_heads, head_dim] stored at slots (readable, slow)."""
+    slots = slots.long()
+    codes = pool.codes.flatten(0, 1)[slots]
+    scales = None
+    if pool.scales is not None:
+        scales = pool.scales.flatten(0, 1)[slots // pool.fmt.token_group]
+    return dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+
+
+def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
+    """fp32 vectors [S, blocks * block_size, num_heads, head_dim] of the blocks table [S, blocks]
+    lists, in order. Gathers whole blocks (a contiguous copy each), far cheaper than slots."""
+    table = table.long()
+    codes = pool.codes[table]  # [S, blocks, block_size, heads, width]
+    scales = None if pool.scales is None else pool.scales[table]
+    rows = pool.fmt.token_group
+    if rows > 1:  # a scale row serves `rows` consecutive tokens: broadcast it, not repeat it
+        codes = codes.unflatten(2, (-1, rows))
+        scales = scales.unsqueeze(3)
+    values = dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+    return values.flatten(1, values.dim() - 3)
+
+
+def write_vectors_ref(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> None:
+    """Quantize vectors [len(slots), num_heads, head_dim] into pool at slots; slot < 0 skips.
+    A token-grouped pool takes whole token groups: slots in runs of token_group consecutive
+    slots, each run starting at a multiple of token_group."""
+    keep = slots >= 0
+    slots = slots[keep].long()
+    rows = pool.fmt.token_group
+    if rows > 1 and not _whole_token_groups(slots, rows):
+        raise ValueError(f"slots: {pool.fmt} needs whole, aligned runs of {rows} slots")
+    codes, scales = quantize_ref(vectors[keep], pool.fmt, pool.tensor_scale)
+    pool.codes.flatten(0, 1)[slots] = codes
+    if scales is not None:
+        pool.scales.flatten(0, 1)[slots[::rows] // rows] = scales
+
+
+def _whole_token_groups(slots: torch.Tensor, rows: int) -> bool:
+    """Whether slots are runs of `rows` consecutive slots, each starting at a multiple of rows."""
+    if len(slots) % rows:
+        return False
+    runs = slots.unflatten(0, (-1, rows))
+    consecutive = runs == runs[:, :1] + torch.arange(rows, device=slots.device)
+    return bool(consecutive.all() and (runs[:, 0] % rows == 0).all())
+
+
+def copy_blocks(
+    src: KVPool,
+    src_blocks: torch.Tensor,
+    dst: KVPool,
+    dst_blocks: torch.Tensor,
+    heads: torch.Tensor | None = None,
+) -> None:
+    """Copy blocks, codes and scales as they are, between two pools of one format that may
+    live on different devices (the host tier and the device): no rounding happens. heads:
+    copy only head heads[i] of each pair of blocks (the slices a KV head selected), else whole
+    blocks."""
+    if src.fmt != dst.fmt or src.codes.shape[1:] != dst.codes.shape[1:]:
+        raise ValueError(f"copy_blocks: pools differ ({src.fmt} and {dst.fmt})")
+    if src.fmt.quantized and not torch.equal(src.tensor_scale.cpu(), dst.tensor_scale.cpu()):
+        raise ValueError("copy_blocks: pools differ in tensor scale")
+    for source, target in ((src.codes, dst.codes), (src.scales, dst.scales)):
+        if source is None:
+            continue
+        read = src_blocks.long().to(source.device)
+        write = dst_blocks.long().to(target.device)
+        if heads is None:
+            target[write] = source[read].to(target.device, non_blocking=True)
+        else:
+            slices = source[read, :, heads.long().to(source.device)]
+            target[write, :, heads.long().to(target.device)] = slices.to(target.device)

@@ -1,0 +1,112 @@
+"""Query-aware block selection for CSA (Quest / NSA style): which older blocks a query reads
+exactly.
+
+Every older block (outside sinks and window) keeps a small device index. Each KV head of a
+query chooses on its own (the heads that retrieve and the heads that attend locally want
+different blocks) the csa_topk blocks it scores best among those it sees, and reads them
+exactly; the summaries of those blocks are then hidden from it, so that no block counts twice.
+Two indexes:
+- bounds (Quest): one slot a block holding the per-channel max (in K) and min (in V) of its
+  keys, in the cache's rotated space or in the model's basis (a separate index pool).
+  sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a block
+  holding the one key a query matches scores high whatever its other keys; a query head group
+  scores a block by the largest bound of its query heads.
+- summaries (NSA's compressed branch): the block's pooled keys. Each query head's softmax over
+  all summaries it sees, summed over the block's summaries and the KV head's query heads. No
+  extra bytes, but the mean of r keys dilutes the one key a query looks for.
+
+This is the torch path (both backends call it: it reads only the index, a 1 / block_size or
+1 / r fraction of the older cache). Decode therefore never scores or gathers the exact older
+cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtune.kernels.attention import PagedStream
+from kvtune.kernels.attention_torch import group_keys, query_groups
+from kvtune.kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
+from kvtune.kernels.rotation import Rotation, unrotate
+
+
+def write_key_bounds(
+    keys: KVPool,
+    blocks: torch.Tensor,
+    hi_pool: KVPool,
+    lo_pool: KVPool,
+    slots: torch.Tensor,
+    rotation: Rotation | None = None,
+) -> None:
+    """The per-channel max and min of the keys of each of `blocks`, written to slots[i] of
+    hi_pool and lo_pool in their formats: in the cache's space, or in the model's basis when
+    the cache is rotated by `rotation` (un-rotated first; queries are then scored unrotated)."""
+    vectors = read_blocks_ref(keys, blocks.long()[:, None])  # [M, block_size, H, D]
+    if rotation is not None:
+        vectors = unrotate(vectors, rotation)
+    write_vectors_ref(hi_pool, slots, vectors.amax(dim=1))
+    write_vectors_ref(lo_pool, slots, vectors.amin(dim=1))
+
+
+def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """[S, C, Hkv, L]: per KV head, the largest upper bound of q.k over its query heads.
+    queries [S, C, Hkv, g, D]; hi, lo [S, L, Hkv, D]."""
+    upper = torch.einsum("schgd,slhd->schgl", queries.clamp(min=0), hi)
+    upper += torch.einsum("schgd,slhd->schgl", queries.clamp(max=0), lo)
+    return upper.amax(dim=3)
+
+
+def _summary_scores(
+    queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """[S, C, Hkv, L]: per KV head, the attention its query heads give each summary."""
+    logits = torch.einsum("schgd,slhd->schgl", queries, keys) * scale
+    logits = logits.masked_fill(~visible[:, :, None, None, :], -math.inf)
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=3)
+
+
+def select_blocks(
+    q: torch.Tensor,
+    q_positions: torch.Tensor | None,
+    q_seq_starts: torch.Tensor,
+    index: PagedStream,
+    vectors_per_block: int,
+    topk: int,
+    scale: float,
+    kind: str = "summaries",
+) -> torch.Tensor:
+    """bool [Nq, Hkv, blocks]: the older blocks each packed query reads exactly, per KV head.
+
+    q: [Nq, Hq, D] in the cache's (rotated) space; index: the step's stream of block bounds
+    (kind "bounds", one vector a block) or summaries (kind "summaries", block j's at
+    j * vectors_per_block ... (j + 1) * vectors_per_block - 1); blocks: the most any sequence
+    of the batch has. A query picks among the blocks whose index vectors it sees (decode: all
+    of its sequence's), at most topk of them.
+    """
+    num_blocks = math.ceil(int(index.lengths.max()) / vectors_per_block)
+    shape = (q.shape[0], index.num_kv_heads, num_blocks)
+    selected = torch.zeros(shape, dtype=torch.bool, device=q.device)
+    if num_blocks == 0:
+        return selected
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    for group in query_groups(q_seq_starts):
+        gathered = group_keys(index, group, q_positions)
+        if gathered is None:
+            continue
+        seqs, length, kv_heads, _ = gathered.keys.shape
+        queries = q[group.rows].float().view(seqs, -1, kv_heads, num_heads // kv_heads, head_dim)
+        visible = gathered.visible[:, 0]  # [S, C, L]: an index stream has no query_mask
+        if kind == "bounds":
+            scores = _bound_scores(queries, gathered.keys, gathered.values)
+        else:
+            scores = _summary_scores(queries, gathered.keys, visible, scale)
+        blocks = length // vectors_per_block
+        block_scores = scores.view(seqs, -1, kv_heads, blocks, vectors_per_block).sum(-1)
+        block_seen = visible.view(seqs, -1, 1, blocks, vectors_per_block).all(-1)
+        block_scores = block_scores.masked_fill(~block_seen, -math.inf)
+        best = block_scores.topk(min(topk, blocks), dim=-1).indices
+        chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best, True)
+        selected[group.rows.flatten(), :, :blocks] = (chosen & block_seen).flatten(0, 1)
+    return selected

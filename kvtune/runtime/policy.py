@@ -1,0 +1,589 @@
+"""KVPolicy: the tunable KV-cache settings, validated once for every entry point.
+
+The CLI, the runtime, the tuner and the exporter all build a KVPolicy, so a bad value is refused
+with the same one-line message everywhere, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from kvtune.kernels.element_formats import ELEMENT_FORMATS
+from kvtune.kernels.kv_format import (
+    QUANTIZED_DTYPES,
+    TENSOR_SCALES,
+    ZERO_POINT_SCALE_DTYPES,
+    KVFormat,
+)
+from kvtune.kernels.rotation import POWER_OF_TWO_ROTATIONS, ROTATIONS, is_power_of_two
+from kvtune.kernels.scale_formats import SCALE_FORMATS
+from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.errors import ConfigError
+
+KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", *QUANTIZED_DTYPES)
+# Asymmetric formats: a zero point beside each group scale (no per-tensor form, no E4M3 scales).
+ZERO_POINT_DTYPES: tuple[str, ...] = tuple(
+    name for name, element in ELEMENT_FORMATS.items() if element.zero_point
+)
+# Formats that keep something per group (a zero point, a chosen scale, a scale word of a fixed
+# dtype), so no per-tensor form.
+GROUPED_DTYPES: tuple[str, ...] = tuple(
+    name
+    for name, element in ELEMENT_FORMATS.items()
+    if element.zero_point or element.alt_max_code or element.scale_dtype
+)
+FIXED_SCALE_DTYPES: dict[str, str] = {
+    name: element.scale_dtype
+    for name, element in ELEMENT_FORMATS.items()
+    if element.scale_dtype is not None
+}
+# Formats whose one group is a whole vector (group_size = head_dim).
+WHOLE_VECTOR_DTYPES: tuple[str, ...] = tuple(
+    name for name, element in ELEMENT_FORMATS.items() if element.whole_vector
+)
+SCALE_DTYPES: tuple[str, ...] = tuple(SCALE_FORMATS)
+ROTATION_NAMES: tuple[str, ...] = tuple(ROTATIONS)
+NO_ROTATION = "none"
+BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
+K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
+PER_TENSOR = "tensor"
+# What the boundary layers cache (boundary_layers).
+BOUNDARY_PAIR = ("fp16", "fp16")
+# How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
+# pooled before RoPE; kvtune/kernels/rope_align.py), or averaged as cached (post_rope, the old way);
+# none: no summaries, an older block a query does not select is skipped (Quest).
+NO_SUMMARY = "none"
+CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
+# What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
+# slot a block: the max in K, the min in V), or its summaries (no extra bytes, but a mean
+# dilutes the one token a query looks for).
+CSA_INDEXES: tuple[str, ...] = ("bounds", "summaries")
+# Where key bounds are kept: auto, in the layer's own K and V formats and its rotated space; or a
+# separate index pool in the model's own basis (where RoPE's outlier channels make Quest's bound
+# sharp) in one of these dtypes, whatever the layer's formats (so per-channel keys, which are
+# quantized a whole block at a time, can sit beside selection).
+INDEX_IN_LAYER_FORMAT = "auto"
+CSA_INDEX_DTYPES: tuple[str, ...] = (INDEX_IN_LAYER_FORMAT, "fp16", "fp8", "int8", "int4")
+# Channels sharing one fp16 scale in a quantized separate index: bounds in the model's basis
+# keep RoPE's outlier channels, which one scale a vector would flatten.
+INDEX_GROUP = 32
+# Older blocks are kept by importance in groups of this many consecutive blocks: csa_keep of
+# each group stays exact, decided when the group's first block leaves the window.
+KEEP_GROUP = 8
+KEEP_FRACTIONS: tuple[float, ...] = tuple(i / KEEP_GROUP for i in range(KEEP_GROUP))
+
+
+def _field(name: str) -> str:
+    return f"policy.{name}"
+
+
+def _normalised_group_size(name: str, value: object) -> int | str:
+    """A group size as an int (digits accepted) or "tensor"."""
+    original = value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == PER_TENSOR:
+        return PER_TENSOR
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(
+            _field(name), original, f'a positive integer dividing head_dim, or "{PER_TENSOR}"'
+        )
+    return value
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(_field(name), value, f"an integer >= {minimum}")
+    return value
+
+
+def _check_dtype(name: str, value: object) -> str:
+    if value not in KV_DTYPES:
+        raise ConfigError(_field(name), value, f"one of {', '.join(KV_DTYPES)}")
+    return str(value)
+
+
+def _parse_layer_pair(index: int, pair: object) -> str:
+    """Normalise one per-layer entry "K/V" (for example "fp8/fp4")."""
+    name = f"layer_dtypes[{index}]"
+    parts = pair.split("/") if isinstance(pair, str) else []
+    if len(parts) != 2:
+        raise ConfigError(_field(name), pair, 'a "K/V" pair such as "fp8/fp4"')
+    k_dtype, v_dtype = (part.strip() for part in parts)
+    for dtype in (k_dtype, v_dtype):
+        if dtype not in KV_DTYPES:
+            raise ConfigError(_field(name), pair, f"K and V each one of {', '.join(KV_DTYPES)}")
+    return f"{k_dtype}/{v_dtype}"
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """Tunable KV-cache policy.
+
+    k_dtype, v_dtype: default element format of keys and values in every layer
+        (auto = the model's compute dtype, the exact reference path): fp16, bf16, fp8 (E4M3),
+        fp4 (E2M1), fp4_ties_away (E2M1 rounded as SGLang's fp4_mx_block16), or the asymmetric
+        uniform int8, int4, int2 (a scale and a zero point per group; see kernels/quantize.py).
+    layer_dtypes: optional "K/V" pair per layer overriding the defaults, e.g. ("fp8/fp4", ...).
+    group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
+        and per K/V (fp8/fp4 only: the integer formats need a group). Only quantized streams
+        store scales. lloyd4 / lloyd3 code whole vectors: their group_size is head_dim.
+    k_group_size: the keys' group_size where it differs from the values' (null: group_size);
+        vLLM's turboquant_k8v4 keeps fp8 keys per tensor beside per-vector value scales.
+    scale_dtype: fp16 group scales, e4m3 (NVFP4-style, with an fp32 per-tensor scale), fp32
+        (vLLM's per-token-head scales) or ue8m0 (powers of two, MX-style); see
+        kvtune/kernels/scale_formats.py. The integer formats need fp16: their zero points are stored
+        in the scale dtype.
+    k_scale_axis: token (keys grouped along head_dim per token, like values), or channel (one
+        scale per channel per block of block_size keys, KIVI-style: fixed outlier channels no
+        longer set every token's scale). A channel-scaled block is quantized once full; until
+        then it stays in fp16 with the recent tokens, and those bytes count.
+    recent_unquantized: the most recent tokens kept in fp16 (0 = none); a block is quantized
+        once it holds none of them.
+    csa_ratio: tokens pooled into one summary K/V (1 = no compression).
+    csa_window: the most recent tokens kept exact when compressing.
+    csa_sinks: the first tokens kept exact when compressing.
+    csa_summary: pre_rope (keys turned to their group's centre before the mean, so RoPE does
+        not cancel them), post_rope (the mean of the cached keys), or none (no summaries: with
+        selection, a query reads sinks, window and its selected blocks only, as Quest does;
+        selection then keeps as much accuracy and the summary bytes go to selected blocks).
+    csa_topk: older blocks (outside sinks and window) each query reads exactly, chosen per
+        query and layer by its attention to their summaries (0 = none: summaries only).
+    csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
+        its per-channel key max and min, kept in one device slot a block; Quest) or summaries
+        (the attention its summaries get; no extra bytes).
+    csa_index_dtype: where key bounds live: auto (one slot a block in the layer's K and V
+        pools, in its formats and rotated space), or fp16, fp8, int8 or int4: a separate index
+        pool in the model's basis (groups of 32 channels with fp16 scales for the 8- and 4-bit
+        dtypes), which per-channel keys need beside selection.
+    csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
+        CPU has a second pool), from which selected blocks are fetched into a device staging
+        pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
+    csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
+        per layer and KV head by the attention they received while in the window (H2O /
+        SnapKV style, from queries that already ran): in every group of 8 consecutive older
+        blocks, the csa_keep * 8 that got the most. 0 = none.
+    block_size: tokens a paged block holds.
+    chunk_size: prefill chunk in tokens, a multiple of block_size.
+    rotation: none, or hadamard: an orthonormal randomized Hadamard rotation of K and V along
+        head_dim in every layer with a quantized K or V stream, applied before they are cached
+        (queries rotated alike, the attention output rotated back; kvtune/kernels/rotation.py), or
+        vllm_rht: vLLM's int4_per_token_head transform (unnormalized, one sign vector for all
+        layers, rotated K and V cast back to the model dtype). It costs no cache bytes.
+    tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
+        text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use
+        without checkpoint k_scale / v_scale: the engine presets).
+    boundary_layers: the first and last N layers (at most half the model each) are cached in
+        fp16 whatever the dtypes say; vLLM's turboquant_* caches keep 2 in the model dtype
+        (16-bit on every GPU deployment; fp16 here, so that an fp32 CPU run counts the bytes
+        vLLM allocates).
+    """
+
+    k_dtype: str = "fp16"
+    v_dtype: str = "fp16"
+    layer_dtypes: tuple[str, ...] | None = None
+    group_size: int | str = 32
+    k_group_size: int | str | None = None
+    scale_dtype: str = "fp16"
+    k_scale_axis: str = "token"
+    recent_unquantized: int = 0
+    csa_ratio: int = 1
+    csa_window: int = 512
+    csa_sinks: int = 16
+    csa_summary: str = "pre_rope"
+    csa_topk: int = 0
+    csa_index: str = "bounds"
+    csa_index_dtype: str = INDEX_IN_LAYER_FORMAT
+    csa_host: bool = False
+    csa_keep: float = 0.0
+    block_size: int = 16
+    chunk_size: int = 512
+    rotation: str = NO_ROTATION
+    tensor_scale: str = "calibrated"
+    boundary_layers: int = 0
+
+    def __post_init__(self) -> None:
+        _check_dtype("k_dtype", self.k_dtype)
+        _check_dtype("v_dtype", self.v_dtype)
+        if self.layer_dtypes is not None:
+            if isinstance(self.layer_dtypes, str) or not isinstance(self.layer_dtypes, Sequence):
+                raise ConfigError(
+                    _field("layer_dtypes"), self.layer_dtypes, 'a list of "K/V" pairs, or null'
+                )
+            pairs = tuple(_parse_layer_pair(i, p) for i, p in enumerate(self.layer_dtypes))
+            object.__setattr__(self, "layer_dtypes", pairs or None)
+        object.__setattr__(
+            self, "group_size", _normalised_group_size("group_size", self.group_size)
+        )
+        if self.k_group_size is not None:
+            k_group = _normalised_group_size("k_group_size", self.k_group_size)
+            object.__setattr__(self, "k_group_size", k_group)
+        _check_int("boundary_layers", self.boundary_layers, 0)
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ConfigError(
+                _field("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
+            )
+        if self.k_scale_axis not in K_SCALE_AXES:
+            raise ConfigError(
+                _field("k_scale_axis"), self.k_scale_axis, f"one of {', '.join(K_SCALE_AXES)}"
+            )
+        _check_int("recent_unquantized", self.recent_unquantized, 0)
+        _check_int("csa_window", self.csa_window, 0)
+        _check_int("csa_sinks", self.csa_sinks, 0)
+        if self.block_size not in BLOCK_SIZES or isinstance(self.block_size, bool):
+            raise ConfigError(
+                _field("block_size"), self.block_size, f"one of {', '.join(map(str, BLOCK_SIZES))}"
+            )
+        _check_int("chunk_size", self.chunk_size, 1)
+        if self.chunk_size % self.block_size:
+            raise ConfigError(
+                _field("chunk_size"),
+                self.chunk_size,
+                f"a multiple of block_size={self.block_size} (pages must stay aligned)",
+            )
+        self._check_compression()
+        self._check_integer_formats()
+        if self.rotation not in ROTATION_NAMES:
+            raise ConfigError(
+                _field("rotation"), self.rotation, f"one of {', '.join(ROTATION_NAMES)}"
+            )
+        if self.tensor_scale not in TENSOR_SCALES:
+            raise ConfigError(
+                _field("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
+            )
+
+    @property
+    def _key_group_field(self) -> str:
+        """The field that sets the keys' group size, for error messages."""
+        return "group_size" if self.k_group_size is None else "k_group_size"
+
+    @property
+    def key_group_size(self) -> int | str:
+        """The keys' group_size (k_group_size, or group_size when that is null)."""
+        return self.group_size if self.k_group_size is None else self.k_group_size
+
+    def _check_integer_formats(self) -> None:
+        """The asymmetric integer formats keep a zero point per group in the scale dtype, so
+        they need fp16 scales, and a group_size wherever they use it (channel keys do not)."""
+        pairs = [pair.split("/") for pair in self.layer_dtypes or ()]
+        keys = {self.k_dtype, *(k for k, _ in pairs)}
+        values = {self.v_dtype, *(v for _, v in pairs)}
+        integer = sorted((keys | values) & set(ZERO_POINT_DTYPES))
+        grouped_keys = set() if self.k_scale_axis == "channel" else keys
+        for name, group, dtypes in (
+            ("group_size", self.group_size, values),
+            (self._key_group_field, self.key_group_size, grouped_keys),
+        ):
+            needing = sorted(dtypes & set(GROUPED_DTYPES))
+            if group == PER_TENSOR and needing:
+                raise ConfigError(
+                    _field(name),
+                    group,
+                    f"a positive integer with {', '.join(needing)} (scales per group)",
+                )
+        if integer and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
+            raise ConfigError(
+                _field("scale_dtype"),
+                self.scale_dtype,
+                f"one of {', '.join(ZERO_POINT_SCALE_DTYPES)} with {', '.join(integer)} "
+                "(zero points are stored in the scale dtype)",
+            )
+        for dtype in sorted((keys | values) & set(FIXED_SCALE_DTYPES)):
+            needed = FIXED_SCALE_DTYPES[dtype]
+            if self.scale_dtype != needed:
+                raise ConfigError(
+                    _field("scale_dtype"),
+                    self.scale_dtype,
+                    f"{needed} with {dtype} (the format's own scale words)",
+                )
+        whole = sorted(keys & set(WHOLE_VECTOR_DTYPES))
+        if whole and self.k_scale_axis == "channel":
+            raise ConfigError(
+                _field("k_scale_axis"),
+                self.k_scale_axis,
+                f"token with {', '.join(whole)} keys (its codes cover one whole vector)",
+            )
+
+    def _check_compression(self) -> None:
+        ratio = self.csa_ratio
+        ratios = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= self.block_size]
+        if ratio not in ratios or isinstance(ratio, bool):
+            raise ConfigError(
+                _field("csa_ratio"),
+                ratio,
+                f"a power of two up to block_size={self.block_size}: {', '.join(map(str, ratios))}",
+            )
+        if self.csa_summary not in CSA_SUMMARIES:
+            raise ConfigError(
+                _field("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
+            )
+        self._check_selection()
+        channel = self.k_scale_axis == "channel"
+        if ratio > 1 and channel and (self.summarises or not self.separate_index):
+            raise ConfigError(
+                _field("k_scale_axis"),
+                self.k_scale_axis,
+                "token when csa_ratio > 1, unless csa_summary is none with a csa_index_dtype "
+                "other than auto (summaries and in-pool key bounds are written one vector at a "
+                "time; per-channel scales need whole blocks)",
+            )
+        self._check_keep()
+        if ratio > 1 and self.csa_window < self.block_size:
+            raise ConfigError(
+                _field("csa_window"),
+                self.csa_window,
+                f">= block_size={self.block_size} when csa_ratio > 1 "
+                "(whole blocks leave the window)",
+            )
+
+    def _check_selection(self) -> None:
+        """Selection reads exact older blocks, which only the host tier keeps, and the tier
+        is read only by selection."""
+        _check_int("csa_topk", self.csa_topk, 0)
+        if self.csa_index not in CSA_INDEXES:
+            raise ConfigError(
+                _field("csa_index"), self.csa_index, f"one of {', '.join(CSA_INDEXES)}"
+            )
+        if not isinstance(self.csa_host, bool):
+            raise ConfigError(_field("csa_host"), self.csa_host, "true or false")
+        if self.csa_index_dtype not in CSA_INDEX_DTYPES:
+            raise ConfigError(
+                _field("csa_index_dtype"),
+                self.csa_index_dtype,
+                f"one of {', '.join(CSA_INDEX_DTYPES)}",
+            )
+        if self.csa_index_dtype != INDEX_IN_LAYER_FORMAT and (
+            not self.csa_topk or self.csa_index != "bounds"
+        ):
+            raise ConfigError(
+                _field("csa_index_dtype"),
+                self.csa_index_dtype,
+                f"{INDEX_IN_LAYER_FORMAT} unless csa_topk > 0 with csa_index bounds (it stores "
+                "the key bounds selection scores)",
+            )
+        if self.csa_topk and self.csa_ratio == 1:
+            raise ConfigError(
+                _field("csa_topk"),
+                self.csa_topk,
+                "0 when csa_ratio is 1 (selection picks among compressed blocks)",
+            )
+        if self.csa_summary == NO_SUMMARY and (not self.csa_topk or self.csa_index != "bounds"):
+            raise ConfigError(
+                _field("csa_summary"),
+                self.csa_summary,
+                "pre_rope or post_rope unless csa_topk > 0 with csa_index bounds (without "
+                "summaries, only selection by key bounds reads older blocks)",
+            )
+        if self.csa_topk and not self.csa_host:
+            raise ConfigError(
+                _field("csa_host"),
+                self.csa_host,
+                "true when csa_topk > 0 (the selected exact blocks live in the host tier)",
+            )
+        if self.csa_host and not self.csa_topk:
+            raise ConfigError(
+                _field("csa_topk"),
+                self.csa_topk,
+                "an integer >= 1 when csa_host is true (only selection reads the host tier)",
+            )
+
+    def _check_keep(self) -> None:
+        """Kept blocks are decided when a group's first block leaves the window, from codes
+        in the layer's format: every block of the group must be complete and quantized then."""
+        keep = self.csa_keep
+        allowed = ", ".join(f"{f:g}" for f in KEEP_FRACTIONS)
+        number = isinstance(keep, int | float) and not isinstance(keep, bool)
+        if not number or keep not in KEEP_FRACTIONS:
+            raise ConfigError(_field("csa_keep"), keep, f"one of {allowed}")
+        object.__setattr__(self, "csa_keep", float(keep))  # 0 and 0.0: one policy, one key
+        if not keep:
+            return
+        if self.csa_ratio == 1:
+            raise ConfigError(
+                _field("csa_keep"), keep, "0 when csa_ratio is 1 (it keeps compressed blocks)"
+            )
+        if self.csa_topk:
+            raise ConfigError(
+                _field("csa_keep"),
+                keep,
+                "0 when csa_topk > 0 (importance-kept blocks and host-tier selection do not "
+                "combine yet)",
+            )
+        span = (KEEP_GROUP - 1) * self.block_size
+        if self.csa_window < span:
+            raise ConfigError(
+                _field("csa_window"),
+                self.csa_window,
+                f">= {span} ({KEEP_GROUP - 1} x block_size) when csa_keep > 0 (a group of "
+                f"{KEEP_GROUP} blocks is decided when its first leaves the window)",
+            )
+        if self.recent_unquantized > self.csa_window - span:
+            raise ConfigError(
+                _field("recent_unquantized"),
+                self.recent_unquantized,
+                f"<= csa_window - {KEEP_GROUP - 1} x block_size = {self.csa_window - span} when "
+                "csa_keep > 0 "
+                "(kept blocks are copied from quantized codes)",
+            )
+
+    @property
+    def keeps(self) -> bool:
+        """Whether older blocks are kept exact on the device by importance."""
+        return self.csa_keep > 0
+
+    @property
+    def kept_per_group(self) -> int:
+        """Blocks kept exact out of every KEEP_GROUP consecutive older blocks."""
+        return round(self.csa_keep * KEEP_GROUP)
+
+    @property
+    def selects(self) -> bool:
+        """Whether queries read selected exact older blocks from the host tier."""
+        return self.csa_topk > 0
+
+    @property
+    def separate_index(self) -> bool:
+        """Whether key bounds live in their own index pool (csa_index_dtype not auto)."""
+        return self.csa_index_dtype != INDEX_IN_LAYER_FORMAT
+
+    @property
+    def compressed(self) -> bool:
+        return self.csa_ratio > 1
+
+    @property
+    def summarises(self) -> bool:
+        """Whether blocks that leave the window are pooled into summaries."""
+        return self.compressed and self.csa_summary != NO_SUMMARY
+
+    @property
+    def recent_tail(self) -> bool:
+        """Whether new tokens go to an fp16 pool first: for the recent region, or until a
+        channel-scaled key block is full."""
+        return self.recent_unquantized > 0 or self.k_scale_axis == "channel"
+
+    def layer_pairs(self, num_layers: int) -> list[tuple[str, str]]:
+        """(K dtype, V dtype) of every layer, with the per-layer overrides applied."""
+        if self.layer_dtypes is None:
+            pairs = [(self.k_dtype, self.v_dtype)] * num_layers
+        elif len(self.layer_dtypes) != num_layers:
+            raise ConfigError(
+                _field("layer_dtypes"),
+                f"<{len(self.layer_dtypes)} entries>",
+                f"exactly one K/V pair per layer: the model has {num_layers} layers",
+            )
+        else:
+            pairs = [tuple(pair.split("/")) for pair in self.layer_dtypes]  # type: ignore[misc]
+        edge = min(self.boundary_layers, num_layers // 2)
+        return [
+            BOUNDARY_PAIR if i < edge or i >= num_layers - edge else pair
+            for i, pair in enumerate(pairs)
+        ]
+
+    def kv_format(self, dtype: str, auto_dtype: str, keys: bool = False) -> KVFormat:
+        """Storage format of a stream whose element dtype is `dtype` (auto -> the model's);
+        keys: the stream holds keys (k_scale_axis applies)."""
+        size = self.key_group_size if keys else self.group_size
+        group = None if size == PER_TENSOR else size
+        element = auto_dtype if dtype == "auto" else dtype
+        if keys and self.k_scale_axis == "channel" and element in QUANTIZED_DTYPES:
+            return KVFormat(
+                element,
+                1,
+                self.scale_dtype,
+                token_group=self.block_size,
+                tensor_scale=self.tensor_scale,
+            )
+        return KVFormat(element, group, self.scale_dtype, tensor_scale=self.tensor_scale)
+
+    def check_model(self, arch: ModelArch) -> None:
+        """Refuse settings this model cannot hold (before its weights are loaded)."""
+        pairs = self.layer_pairs(arch.num_layers)
+        size = arch.cached_vector_size
+        # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
+        for name in ("group_size", "k_group_size"):
+            group = getattr(self, name)
+            if isinstance(group, int) and size % group:
+                divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
+                allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
+                raise ConfigError(_field(name), group, f"must divide head_dim={size}: {allowed}")
+        for stream, name, group in (
+            (0, self._key_group_field, self.key_group_size),
+            (1, "group_size", self.group_size),
+        ):
+            streams = {pair[stream] for pair in pairs}
+            whole = sorted(streams & set(WHOLE_VECTOR_DTYPES))
+            if whole and group != size:
+                raise ConfigError(
+                    _field(name), group, f"head_dim={size} with {', '.join(whole)} (whole vectors)"
+                )
+        if self.rotation != NO_ROTATION:
+            self._check_rotation(arch)
+        if self.separate_index and (arch.is_mla or size % INDEX_GROUP):
+            raise ConfigError(
+                _field("csa_index_dtype"),
+                self.csa_index_dtype,
+                f"{INDEX_IN_LAYER_FORMAT} on this model (a separate index needs K and V heads "
+                f"whose head_dim is a multiple of {INDEX_GROUP}; it has head_dim={size}"
+                f"{', MLA' if arch.is_mla else ''})",
+            )
+        if arch.is_mla and any(k != v for k, v in pairs):
+            raise ConfigError(
+                _field("v_dtype"),
+                self.v_dtype,
+                "equal to k_dtype in every layer: an MLA model caches one latent for K and V",
+            )
+
+    def _check_rotation(self, arch: ModelArch) -> None:
+        """Checked even when no stream is quantized (then the rotation is not applied)."""
+        if arch.is_mla:
+            raise ConfigError(
+                _field("rotation"),
+                self.rotation,
+                f"{NO_ROTATION} on an MLA model (it caches one latent, not K and V per head)",
+            )
+        if self.rotation in POWER_OF_TWO_ROTATIONS and not is_power_of_two(arch.cached_vector_size):
+            raise ConfigError(
+                _field("rotation"),
+                self.rotation,
+                f"{NO_ROTATION} or vllm_rht (the {self.rotation} rotation needs a power-of-two "
+                f"head_dim; the model has head_dim={arch.cached_vector_size})",
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (lists, ints, strings) for YAML, MLflow params and Hydra."""
+        data = dataclasses.asdict(self)
+        if self.layer_dtypes is not None:
+            data["layer_dtypes"] = list(self.layer_dtypes)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> KVPolicy:
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                raise ConfigError(
+                    _field(str(key)), data[key], f"unknown field; known: {', '.join(sorted(known))}"
+                )
+        values = dict(data)
+        if isinstance(values.get("layer_dtypes"), list):
+            values["layer_dtypes"] = tuple(values["layer_dtypes"])
+        return cls(**values)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> KVPolicy:
+        data = yaml.safe_load(text) or {}
+        if not isinstance(data, Mapping):
+            raise ConfigError("policy", data, "a YAML mapping of policy fields")
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> KVPolicy:
+        """A validated copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
