@@ -56,6 +56,19 @@ def key_blocks(text: str, key: str, tokenizer: Tokenizer, sinks: int, block_size
     return range((start - sinks) // block_size, (end - 1 - sinks) // block_size + 1)
 
 
+def passkey_rows(context: int, docs: int, seed: int, tokenizer: Tokenizer) -> list[dict]:
+    """The suite's passkey haystacks of `context` tokens (rows with context, answer, depth)."""
+    suite = EvalSuite.from_dict(
+        {
+            "name": "passkey-probe",
+            "seed": seed,
+            "context_tokens": context,
+            "tasks": {"passkey": {"docs": docs}},
+        }
+    )
+    return generate_rows(suite, tokenizer)["passkey"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="3072,7168")
@@ -80,15 +93,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for context in [int(c) for c in args.contexts.split(",")]:
-        suite = EvalSuite.from_dict(
-            {
-                "name": "selection-recall",
-                "seed": args.seed,
-                "context_tokens": context,
-                "tasks": {"passkey": {"docs": args.docs}},
-            }
-        )
-        for row in generate_rows(suite, tokenizer)["passkey"]:
+        for row in passkey_rows(context, args.docs, args.seed, tokenizer):
             text, key = row["context"], row["answer"]
             blocks = key_blocks(text, key, tokenizer, policy.csa_sinks, policy.block_size)
             with recorded_selections() as calls:

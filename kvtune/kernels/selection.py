@@ -5,12 +5,17 @@ Every older block (outside sinks and window) keeps a small device index. Each KV
 query chooses on its own (the heads that retrieve and the heads that attend locally want
 different blocks) the csa_topk blocks it scores best among those it sees, and reads them
 exactly; the summaries of those blocks are then hidden from it, so that no block counts twice.
-Two indexes:
+Three indexes:
 - bounds (Quest): one slot a block holding the per-channel max (in K) and min (in V) of its
   keys, in the cache's rotated space or in the model's basis (a separate index pool).
   sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a block
   holding the one key a query matches scores high whatever its other keys; a query head group
   scores a block by the largest bound of its query heads.
+- means: one K slot a block holding the mean of its cached (post-RoPE) keys; q.mean is the
+  mean logit the block's keys get, which ranks blocks by the attention they draw far better
+  than the bound does on a small model, whose bounds are loose in every block
+  (`benchmarks.selection_scoring`), at half the bound's bytes. A query head group scores a
+  block by the largest q.mean of its query heads.
 - summaries (NSA's compressed branch): the block's pooled keys. Each query head's softmax over
   all summaries it sees, summed over the block's summaries and the KV head's query heads. No
   extra bytes, but the mean of r keys dilutes the one key a query looks for.
@@ -50,6 +55,27 @@ def write_key_bounds(
     write_vectors_ref(lo_pool, slots, vectors.amin(dim=1))
 
 
+def write_key_means(
+    keys: KVPool,
+    blocks: torch.Tensor,
+    means: KVPool,
+    slots: torch.Tensor,
+    rotation: Rotation | None = None,
+) -> None:
+    """The mean key of each of `blocks`, written to slots[i] of `means` in its format: in the
+    cache's space, or in the model's basis when the cache is rotated by `rotation`."""
+    vectors = read_blocks_ref(keys, blocks.long()[:, None])  # [M, block_size, H, D]
+    if rotation is not None:
+        vectors = unrotate(vectors, rotation)
+    write_vectors_ref(means, slots, vectors.mean(dim=1))
+
+
+def _mean_scores(queries: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """[S, C, Hkv, L]: per KV head, the largest q.mean key over its query heads.
+    queries [S, C, Hkv, g, D]; means [S, L, Hkv, D]."""
+    return torch.einsum("schgd,slhd->schgl", queries, means).amax(dim=3)
+
+
 def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """[S, C, Hkv, L]: per KV head, the largest upper bound of q.k over its query heads.
     queries [S, C, Hkv, g, D]; hi, lo [S, L, Hkv, D]."""
@@ -79,8 +105,9 @@ def select_blocks(
 ) -> torch.Tensor:
     """bool [Nq, Hkv, blocks]: the older blocks each packed query reads exactly, per KV head.
 
-    q: [Nq, Hq, D] in the cache's (rotated) space; index: the step's stream of block bounds
-    (kind "bounds", one vector a block) or summaries (kind "summaries", block j's at
+    q: [Nq, Hq, D] in the index's space; index: the step's stream of block bounds (kind
+    "bounds", one vector a block), mean keys (kind "means", one key a block; its values are not
+    read) or summaries (kind "summaries", block j's at
     j * vectors_per_block ... (j + 1) * vectors_per_block - 1); blocks: the most any sequence
     of the batch has. A query picks among the blocks whose index vectors it sees (decode: all
     of its sequence's), at most topk of them.
@@ -100,6 +127,8 @@ def select_blocks(
         visible = gathered.visible[:, 0]  # [S, C, L]: an index stream has no query_mask
         if kind == "bounds":
             scores = _bound_scores(queries, gathered.keys, gathered.values)
+        elif kind == "means":
+            scores = _mean_scores(queries, gathered.keys)
         else:
             scores = _summary_scores(queries, gathered.keys, visible, scale)
         blocks = length // vectors_per_block

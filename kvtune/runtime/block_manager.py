@@ -15,12 +15,12 @@ prefill position sees what decode shows it) and after the step with upto = all t
 that leave a stream before the attention stay readable until `release`: `SequenceKV.retiring`
 lists them, and the cache shows each to the positions that decode would show it to.
 With selection (policy.selects) a block pooled into summaries is also copied into the host
-tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), its key bounds go to
-a slot of the index pool (`SequenceKV.bound_blocks`, block_size slots a block), and the sequence
-holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer fetches the
-blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host block whose
-head slice each staging block holds). Without summaries (csa_summary none) a block leaving the
-window only moves to the host tier.
+tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), its key bounds or mean
+key go to a slot of the index pool (`SequenceKV.index_blocks`, block_size slots a block), and
+the sequence holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer
+fetches the blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host
+block whose head slice each staging block holds). Without summaries (csa_summary none) a block
+leaving the window only moves to the host tier.
 With importance keeping (policy.keeps), pooling the first block of each group of KEEP_GROUP older
 blocks allocates csa_keep * KEEP_GROUP main-pool blocks (`SequenceKV.keep_blocks`) and records the
 group's blocks as candidates (`SequenceKV.pending_keeps`): every block of the group is complete
@@ -124,7 +124,7 @@ class SequenceKV:
     num_tokens: int = 0
     retiring: list[RetiringBlock] = field(default_factory=list)
     host_blocks: list[int] = field(default_factory=list)
-    bound_blocks: list[int] = field(default_factory=list)
+    index_blocks: list[int] = field(default_factory=list)
     staging_blocks: list[int] = field(default_factory=list)
     staged: dict[int, list[dict[int, int]]] = field(default_factory=dict)
     keep_blocks: list[int] = field(default_factory=list)
@@ -143,7 +143,7 @@ class BlockCopy:
     ratio 1 is a (re)quantizing copy, used when a block leaves the fp16 recent region, or the
     copy of a pooled block into the host tier (which leaves the source to its pooling copy).
     op "bounds" writes the block's per-channel key max (K) and min (V) into one slot of the
-    index pool instead.
+    index pool instead, op "means" its mean key (K only).
     The source block is released once every layer has executed the copy, if frees_source.
     """
 
@@ -226,7 +226,7 @@ class BlockManager:
             main=max(0, peak_main - held[MAIN]),
             recent=max(0, peak_recent - held[RECENT]),
             host=max(0, after.host - held[HOST]),
-            index=max(0, after.bounds - held[INDEX]),
+            index=max(0, after.index - held[INDEX]),
         )
 
     def _main_blocks_before_attention(self, end: int) -> int:
@@ -255,7 +255,7 @@ class BlockManager:
             MAIN: len(kv.summary_blocks) + len(kv.staging_blocks) + len(kv.keep_blocks),
             RECENT: 0,
             HOST: len(kv.host_blocks),
-            INDEX: len(kv.bound_blocks),
+            INDEX: len(kv.index_blocks),
         }
         for block in kv.sinks.blocks + kv.window.blocks:
             counts[block.kind] += 1
@@ -338,11 +338,11 @@ class BlockManager:
         # Without summaries no pooling copy follows: this one frees the block.
         frees = not self.policy.summarises
         copies = [BlockCopy(source.kind, source.block_id, slots, 1, HOST, frees_source=frees)]
-        if self.policy.csa_index == "bounds":
+        if self.policy.pooled_index:
             index = len(kv.host_blocks) - 1
-            if index // bs == len(kv.bound_blocks):
-                kv.bound_blocks.append(self.pools[INDEX].allocate())
-            slot = kv.bound_blocks[index // bs] * bs + index % bs
+            if index // bs == len(kv.index_blocks):
+                kv.index_blocks.append(self.pools[INDEX].allocate())
+            slot = kv.index_blocks[index // bs] * bs + index % bs
             copies.append(
                 BlockCopy(
                     source.kind,
@@ -351,7 +351,7 @@ class BlockManager:
                     bs,
                     INDEX,
                     frees_source=False,
-                    op="bounds",
+                    op=self.policy.csa_index,
                 )
             )
         return copies
@@ -400,7 +400,7 @@ class BlockManager:
             self.pools[block.kind].release(block.block_id)
         for block_id in kv.summary_blocks + kv.staging_blocks + kv.keep_blocks:
             self.pools[MAIN].release(block_id)
-        for block_id in kv.bound_blocks:
+        for block_id in kv.index_blocks:
             self.pools[INDEX].release(block_id)
         for block_id in kv.host_blocks:
             self.pools[HOST].release(block_id)
@@ -408,7 +408,7 @@ class BlockManager:
         kv.window.blocks.clear()
         kv.summary_blocks.clear()
         kv.staging_blocks.clear()
-        kv.bound_blocks.clear()
+        kv.index_blocks.clear()
         kv.host_blocks.clear()
         kv.staged.clear()
         kv.keep_blocks.clear()

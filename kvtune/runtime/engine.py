@@ -92,10 +92,10 @@ def host_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
 
 
 def index_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
-    """Key-bounds index blocks: those of max_num_seqs full-length sequences. They cost
-    1 / block_size of the host tier's block count, so they are reserved whole, beside the
-    main pool, rather than competing with it."""
-    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).bounds
+    """Index pool blocks (key bounds or means): those of max_num_seqs full-length sequences.
+    They cost 1 / block_size of the host tier's block count, so they are reserved whole,
+    beside the main pool, rather than competing with it."""
+    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).index
 
 
 def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:

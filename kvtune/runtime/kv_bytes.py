@@ -19,9 +19,9 @@ With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy 
 tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
 host bytes the tier. With csa_index = bounds each pooled block also keeps one device slot of
-key bounds (max in K, min in V), packed block_size to a block of the index pool: in the
-layer's formats (csa_index_dtype auto) or in the index dtype. Without summaries (csa_summary
-none) the summary stream is empty.
+key bounds (max in K, min in V), with csa_index = means one K slot of its mean key (no V half),
+packed block_size to a block of the index pool: in the layer's formats (csa_index_dtype auto)
+or in the index dtype. Without summaries (csa_summary none) the summary stream is empty.
 With importance keeping (csa_keep) a sequence holds csa_keep * KEEP_GROUP device blocks for every
 group of KEEP_GROUP pooled blocks, counted from the group's first: each layer and KV head copies
 into them the group's blocks that received the most attention (their summaries stay too).
@@ -59,7 +59,7 @@ class SequenceBlocks:
     summary: int
     staging: int = 0
     host: int = 0
-    bounds: int = 0
+    index: int = 0
     kept: int = 0
 
     @property
@@ -71,7 +71,7 @@ class SequenceBlocks:
     @property
     def total(self) -> int:
         """Device blocks of every kind."""
-        return self.main + self.recent + self.bounds
+        return self.main + self.recent + self.index
 
 
 def exact_extents(policy: KVPolicy, num_tokens: int) -> list[StreamExtent]:
@@ -140,7 +140,7 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
         summary=summary,
         staging=min(policy.csa_topk, host),
         host=host,
-        bounds=ceil_div(host, bs) if policy.csa_index == "bounds" else 0,
+        index=ceil_div(host, bs) if policy.pooled_index else 0,
         kept=kept_blocks(policy, num_tokens),
     )
 
@@ -148,14 +148,15 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
 @dataclass(frozen=True)
 class LayerFormats:
     """Storage formats of one layer: K and V in the layer's dtypes, the fp16 recent region, and
-    the key-bounds index (max in k_index, min in v_index)."""
+    the index pool (bounds: max in k_index, min in v_index; means: the mean in k_index, and
+    v_index None: no V half)."""
 
     k: KVFormat
     v: KVFormat
     k_recent: KVFormat
     v_recent: KVFormat
     k_index: KVFormat
-    v_index: KVFormat
+    v_index: KVFormat | None
 
 
 def _recent_format(fmt: KVFormat) -> KVFormat:
@@ -180,16 +181,20 @@ def layer_formats(arch: ModelArch, policy: KVPolicy) -> list[LayerFormats]:
         k_index, v_index = k, v
         if policy.separate_index:
             k_index = v_index = index_format(policy.csa_index_dtype)
+        if policy.csa_index == "means":
+            v_index = None
         formats.append(LayerFormats(k, v, _recent_format(k), _recent_format(v), k_index, v_index))
     return formats
 
 
-def layer_block_bytes(arch: ModelArch, k: KVFormat, v: KVFormat, block_size: int) -> int:
-    """Bytes one block of block_size tokens costs in one layer with K in format k and V in v."""
+def layer_block_bytes(arch: ModelArch, k: KVFormat, v: KVFormat | None, block_size: int) -> int:
+    """Bytes one block of block_size tokens costs in one layer with K in format k and V in v
+    (None: a pool without a V half)."""
     size = arch.cached_vector_size
     if arch.is_mla:
         return k.block_bytes(size, block_size)
-    return arch.cached_heads * (k.block_bytes(size, block_size) + v.block_bytes(size, block_size))
+    v_bytes = 0 if v is None else v.block_bytes(size, block_size)
+    return arch.cached_heads * (k.block_bytes(size, block_size) + v_bytes)
 
 
 def kv_bytes_per_token(arch: ModelArch, policy: KVPolicy) -> int:
@@ -211,7 +216,7 @@ def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) ->
         recent_block = layer_block_bytes(arch, f.k_recent, f.v_recent, bs)
         index_block = layer_block_bytes(arch, f.k_index, f.v_index, bs)
         total += blocks.main * layer_block + blocks.recent * recent_block
-        total += blocks.bounds * index_block
+        total += blocks.index * index_block
     return total
 
 

@@ -15,10 +15,11 @@ lifetime rule (PagedStream.shown_from / hidden_from) that shows a block's exact,
 pooled form to exactly the positions that decode would show it to.
 
 CSA selection (policy.selects): each older block keeps its exact copy in a host tier, and in
-every layer each query reads exactly the csa_topk blocks it selects by their key bounds or
-summaries (kvtune/kernels/selection.py), the summaries of the others (none without summaries). Key
-bounds live in a per-layer index pool: in the layer's formats and rotated space, or (a
-separate csa_index_dtype) in the model's basis, scored with the unrotated queries. A
+every layer each query reads exactly the csa_topk blocks it selects by their key bounds, mean
+keys or summaries (kernels/selection.py), the summaries of the others (none without
+summaries). Bounds and means live in a per-layer index pool (means in its K half only): in the
+layer's formats and rotated space, or (a separate csa_index_dtype) in the model's basis,
+scored with the unrotated queries. A
 prefill chunk reads the selected blocks where they are (each query its own choice, by mask); a
 decode step fetches them into the sequence's staging blocks, reusing those still there, and
 counts the bytes it moved.
@@ -40,7 +41,7 @@ from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import KVPool, copy_blocks
 from kvtune.kernels.rope_align import summary_alignment
 from kvtune.kernels.rotation import Rotation, rotate, rotate_queries, rotation_matrix, unrotate
-from kvtune.kernels.selection import select_blocks, write_key_bounds
+from kvtune.kernels.selection import select_blocks, write_key_bounds, write_key_means
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import CacheOps
 from kvtune.runtime.block_manager import (
@@ -190,6 +191,8 @@ class KVCache:
                     (k_pools, formats.k_index, k_scale),
                     (v_pools, formats.v_index, v_scale),
                 ):
+                    if fmt is None:  # a means index: no V half
+                        continue
                     scale = None if policy.separate_index else scale
                     pools[INDEX] = KVPool.allocate(
                         fmt, counts[INDEX], bs, heads, size, scale, device
@@ -270,7 +273,7 @@ class KVCache:
         once csa_window tokens do (straight from its recent copy if that comes first)."""
         recent, window = self.policy.recent_unquantized, self.policy.csa_window
         pooled = window if self.policy.compressed and name == "window" else None
-        if name in ("summary", "host", "bounds"):
+        if name in ("summary", "host", "index"):
             return window, None
         if kind == RECENT:
             return None, min(recent, pooled) if pooled is not None else recent
@@ -289,15 +292,15 @@ class KVCache:
             if self.policy.selects:
                 host = (kv.host_blocks, len(kv.host_blocks) * bs, self.policy.csa_sinks)
                 rows[("host", HOST)].append(host)
-            if self.policy.selects and self.policy.csa_index == "bounds":
-                bounds = (kv.bound_blocks, len(kv.host_blocks), self.policy.csa_sinks)
-                rows[("bounds", INDEX)].append(bounds)
+            if self.policy.pooled_index:
+                index = (kv.index_blocks, len(kv.host_blocks), self.policy.csa_sinks)
+                rows[("index", INDEX)].append(index)
         specs = []
         for (name, kind), per_seq in rows.items():
             if not any(length for _, length, _ in per_seq):
                 continue
             summary = name == "summary"
-            stride = {"summary": ratio, "bounds": bs}.get(name, 1)
+            stride = {"summary": ratio, "index": bs}.get(name, 1)
             shown_from, hidden_from = self._lifetime(name, kind)
             specs.append(
                 StreamSpec(
@@ -338,6 +341,7 @@ class KVCache:
         pools = self.layers[layer]
         bs = self.policy.block_size
         for group in groups:
+            rotation = self.rotations[layer] if self.policy.separate_index else None
             if group.op == "bounds":
                 write_key_bounds(
                     pools.k[group.src_kind],
@@ -345,8 +349,12 @@ class KVCache:
                     pools.k[INDEX],
                     pools.v[INDEX],
                     group.dst_slots,
-                    self.rotations[layer] if self.policy.separate_index else None,
+                    rotation,
                 )
+                continue
+            if group.op == "means":
+                keys = pools.k[group.src_kind]
+                write_key_means(keys, group.src_blocks, pools.k[INDEX], group.dst_slots, rotation)
                 continue
             for by_kind, align in ((pools.k, self.alignments[layer]), (pools.v, None)):
                 source, target = by_kind[group.src_kind], by_kind[group.dst_kind]
@@ -395,7 +403,8 @@ class KVCache:
         streams = {
             spec.name + spec.kind: PagedStream(
                 pools.k[spec.kind],
-                pools.v[spec.kind],
+                # A means index has no V half: its stream gives its keys, which selection reads.
+                pools.v.get(spec.kind, pools.k[spec.kind]),
                 spec.block_table,
                 spec.lengths,
                 spec.start_positions,
@@ -407,7 +416,7 @@ class KVCache:
             for spec in layout.streams
         }
         positions = None if layout.decode_only else layout.q_positions
-        index = streams.pop("bounds" + INDEX, None)  # read by selection, not attended
+        index = streams.pop("index" + INDEX, None)  # read by selection, not attended
         index = index or streams.get("summary" + MAIN)
         if index is not None and self.policy.selects:
             scored = q_model if self.policy.separate_index else q
@@ -466,8 +475,8 @@ class KVCache:
         streams: dict[str, PagedStream],
         index: PagedStream,
     ) -> None:
-        """Each query's csa_topk older blocks, scored on `index` (key bounds or summaries) with
-        q in the index's basis:
+        """Each query's csa_topk older blocks, scored on `index` (key bounds, means or
+        summaries) with q in the index's basis:
         their summaries (if any) hidden from it, their exact form shown (in place in the host
         tier for a prefill step, fetched for a decode step)."""
         policy = self.policy

@@ -60,9 +60,13 @@ BOUNDARY_PAIR = ("fp16", "fp16")
 NO_SUMMARY = "none"
 CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
 # What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
-# slot a block: the max in K, the min in V), or its summaries (no extra bytes, but a mean
-# dilutes the one token a query looks for).
-CSA_INDEXES: tuple[str, ...] = ("bounds", "summaries")
+# slot a block: the max in K, the min in V), the mean of its cached keys (one K slot a block;
+# q.mean is the block's mean logit), or its summaries (no extra bytes, but pooled summaries
+# are few and rounded in the layer's formats).
+CSA_INDEXES: tuple[str, ...] = ("bounds", "means", "summaries")
+# The indexes kept one slot a block in an index pool of their own (written as blocks leave the
+# window), which let selection run without summaries.
+POOLED_INDEXES: tuple[str, ...] = ("bounds", "means")
 # Where key bounds are kept: auto, in the layer's own K and V formats and its rotated space; or a
 # separate index pool in the model's own basis (where RoPE's outlier channels make Quest's bound
 # sharp) in one of these dtypes, whatever the layer's formats (so per-channel keys, which are
@@ -155,10 +159,12 @@ class KVPolicy:
     csa_topk: older blocks (outside sinks and window) each query reads exactly, chosen per
         query and layer by its attention to their summaries (0 = none: summaries only).
     csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
-        its per-channel key max and min, kept in one device slot a block; Quest) or summaries
-        (the attention its summaries get; no extra bytes).
-    csa_index_dtype: where key bounds live: auto (one slot a block in the layer's K and V
-        pools, in its formats and rotated space), or fp16, fp8, int8 or int4: a separate index
+        its per-channel key max and min, kept in one device slot a block; Quest), means (q.k
+        with the mean of the block's cached keys, one K slot a block: half the bounds' bytes,
+        and on SmolLM2 the better ranking) or summaries (the attention its summaries get; no
+        extra bytes).
+    csa_index_dtype: where bounds or means live: auto (one slot a block in the layer's
+        formats and rotated space), or fp16, fp8, int8 or int4: a separate index
         pool in the model's basis (groups of 32 channels with fp16 scales for the 8- and 4-bit
         dtypes), which per-channel keys need beside selection.
     csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
@@ -357,14 +363,12 @@ class KVPolicy:
                 self.csa_index_dtype,
                 f"one of {', '.join(CSA_INDEX_DTYPES)}",
             )
-        if self.csa_index_dtype != INDEX_IN_LAYER_FORMAT and (
-            not self.csa_topk or self.csa_index != "bounds"
-        ):
+        if self.csa_index_dtype != INDEX_IN_LAYER_FORMAT and not self.pooled_index:
             raise ConfigError(
                 _field("csa_index_dtype"),
                 self.csa_index_dtype,
-                f"{INDEX_IN_LAYER_FORMAT} unless csa_topk > 0 with csa_index bounds (it stores "
-                "the key bounds selection scores)",
+                f"{INDEX_IN_LAYER_FORMAT} unless csa_topk > 0 with csa_index "
+                f"{' or '.join(POOLED_INDEXES)} (it stores the bounds or means selection scores)",
             )
         if self.csa_topk and self.csa_ratio == 1:
             raise ConfigError(
@@ -372,12 +376,13 @@ class KVPolicy:
                 self.csa_topk,
                 "0 when csa_ratio is 1 (selection picks among compressed blocks)",
             )
-        if self.csa_summary == NO_SUMMARY and (not self.csa_topk or self.csa_index != "bounds"):
+        if self.csa_summary == NO_SUMMARY and not self.pooled_index:
             raise ConfigError(
                 _field("csa_summary"),
                 self.csa_summary,
-                "pre_rope or post_rope unless csa_topk > 0 with csa_index bounds (without "
-                "summaries, only selection by key bounds reads older blocks)",
+                f"pre_rope or post_rope unless csa_topk > 0 with csa_index "
+                f"{' or '.join(POOLED_INDEXES)} (without summaries, only selection on an index "
+                "pool reads older blocks)",
             )
         if self.csa_topk and not self.csa_host:
             raise ConfigError(
@@ -447,8 +452,14 @@ class KVPolicy:
         return self.csa_topk > 0
 
     @property
+    def pooled_index(self) -> bool:
+        """Whether selection scores blocks on bounds or means kept in an index pool."""
+        return self.selects and self.csa_index in POOLED_INDEXES
+
+    @property
     def separate_index(self) -> bool:
-        """Whether key bounds live in their own index pool (csa_index_dtype not auto)."""
+        """Whether the index pool is in a dtype and basis of its own (csa_index_dtype not
+        auto)."""
         return self.csa_index_dtype != INDEX_IN_LAYER_FORMAT
 
     @property

@@ -340,26 +340,26 @@ def test_kept_blocks_are_drawn_only_where_the_policy_rules_allow_them():
     assert 0 < kept < 200
 
 
-def test_summaries_are_dropped_only_under_selection_by_key_bounds():
-    """csa_summary none survives a draw only with csa_topk > 0 and the bounds index (KVPolicy's
-    rule); elsewhere it falls back to pre_rope. Without summaries the pooling ratio means
-    nothing, so every ratio draws one canonical policy (ratio 2)."""
+def test_summaries_are_dropped_only_under_selection_on_an_index_pool():
+    """csa_summary none survives a draw only with csa_topk > 0 and the bounds or means index
+    (KVPolicy's rule); elsewhere it falls back to pre_rope. Without summaries the pooling ratio
+    means nothing, so every ratio draws one canonical policy (ratio 2)."""
     search = space(
         csa_ratio=[1, 4, 16],
         csa_window=[256],
         csa_topk=[0, 32],
-        csa_index=["bounds", "summaries"],
+        csa_index=["bounds", "means", "summaries"],
         csa_summary=["pre_rope", "none"],
         block_size=[16],
         chunk_size=[512],
     )
-    skipped = 0
+    skipped = []
     for drawn in valid_draws(search, 120, seed=5):
         if drawn.csa_summary == "none":
-            assert drawn.csa_topk > 0 and drawn.csa_index == "bounds", drawn
+            assert drawn.csa_topk > 0 and drawn.csa_index in ("bounds", "means"), drawn
             assert drawn.csa_ratio == 2
-            skipped += 1
-    assert 0 < skipped < 120
+            skipped.append(drawn.csa_index)
+    assert 0 < len(skipped) < 120 and set(skipped) == {"bounds", "means"}
 
 
 def test_keep_candidates_must_be_eighths_below_one():

@@ -4,6 +4,7 @@ of that KV head and over each block's summaries; the topk best blocks it sees.""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,7 @@ from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
 from kvtune.kernels.rotation import Rotation
-from kvtune.kernels.selection import select_blocks, write_key_bounds
+from kvtune.kernels.selection import select_blocks, write_key_bounds, write_key_means
 
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
 
@@ -118,6 +119,61 @@ def test_bounds_selection_matches_quest_rule(topk):
     starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
     chosen = select_blocks(q, None, starts, stream, 1, topk, 0.25, "bounds")
     assert torch.equal(chosen, _bounds_reference(q, stream, topk))
+
+
+def _means_reference(q, stream, topk) -> torch.Tensor:
+    """Per query head the dot product of q with each block's stored mean key (K); a KV head
+    takes its query heads' largest; the topk best blocks."""
+    rows = []
+    for seq, query in enumerate(q):
+        length = int(stream.lengths[seq])
+        chosen = torch.zeros(KV_HEADS, max(int(n) for n in stream.lengths), dtype=torch.bool)
+        for kv_head in range(KV_HEADS):
+            scores = []
+            for block in range(length):
+                slot = int(stream.block_table[seq, block // BLOCK]) * BLOCK + block % BLOCK
+                mean = read_vectors_ref(stream.k, torch.tensor([slot]))[0, kv_head]
+                heads = range(kv_head * Q_HEADS // KV_HEADS, (kv_head + 1) * Q_HEADS // KV_HEADS)
+                scores.append(max(float(query[head] @ mean) for head in heads))
+            chosen[kv_head, torch.tensor(scores).argsort(descending=True)[:topk]] = True
+        rows.append(chosen)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("topk", [1, 4])
+def test_means_selection_matches_its_rule(topk):
+    generator = torch.Generator().manual_seed(10 + topk)
+    stream = _stream([24, 8, 16], generator)
+    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=generator)
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    chosen = select_blocks(q, None, starts, stream, 1, topk, 0.25, "means")
+    assert torch.equal(chosen, _means_reference(q, stream, topk))
+    # Another V half (as a bounds index holds its minima in V) changes nothing, while the
+    # bounds rule on it chooses otherwise.
+    other_v = dataclasses.replace(stream, v=_stream([24, 8, 16], generator).k)
+    assert torch.equal(select_blocks(q, None, starts, other_v, 1, topk, 0.25, "means"), chosen)
+    assert not torch.equal(_bounds_reference(q, other_v, topk), chosen)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_key_means_are_the_mean_of_their_block(rotated):
+    """The slot holds the channel-wise mean of its block's keys, in the model's basis when the
+    cache is rotated by an orthogonal Q (made here by QR) and the rotation is given."""
+    generator = torch.Generator().manual_seed(5)
+    basis, _ = torch.linalg.qr(
+        torch.randn(HEAD_DIM, HEAD_DIM, generator=generator, dtype=torch.float64)
+    )
+    keys = KVPool.allocate(KVFormat("fp32"), 3, BLOCK, KV_HEADS, HEAD_DIM)
+    model_keys = torch.randn(keys.num_slots, KV_HEADS, HEAD_DIM, generator=generator)
+    cached = (model_keys.double() @ basis).float() if rotated else model_keys
+    write_vectors_ref(keys, torch.arange(keys.num_slots), cached)
+    means = KVPool.allocate(KVFormat("fp32"), 1, BLOCK, KV_HEADS, HEAD_DIM)
+    rotation = Rotation(basis.float()) if rotated else None
+    write_key_means(keys, torch.tensor([2, 0]), means, torch.tensor([5, 1]), rotation)
+    for block, slot in ((2, 5), (0, 1)):
+        expected = model_keys[block * BLOCK : (block + 1) * BLOCK].double().mean(dim=0)
+        got = read_vectors_ref(means, torch.tensor([slot]))[0]
+        torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
 
 
 def test_key_bounds_hold_every_key_of_their_block():

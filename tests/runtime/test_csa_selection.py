@@ -133,8 +133,9 @@ def quest_attention(
     """[N, Hq, D]: attention without summaries from its definition (Quest). Query p reads the
     sinks, the window (the layout decode holds when p arrives: a block has left it once
     csa_window tokens before p follow it) and, per KV head, the csa_topk older blocks with the
-    largest bound max over its query heads of sum_d max(q_d hi_d, q_d lo_d), hi / lo the
-    per-channel key max / min of the block; nothing of the other older blocks."""
+    largest score max over its query heads: with csa_index bounds sum_d max(q_d hi_d, q_d lo_d),
+    hi / lo the per-channel key max / min of the block; with means q.m, m the mean of the
+    block's keys. Nothing of the other older blocks."""
     sinks, bs, window, topk = (
         policy.csa_sinks,
         policy.block_size,
@@ -152,25 +153,29 @@ def quest_attention(
             seen[sinks + older * bs :] = True
             blocks = keys[sinks : sinks + older * bs, h].view(older, bs, keys.shape[-1])
             queries = q[p, h * per_kv : (h + 1) * per_kv]  # [per_kv, D]
-            bound = torch.maximum(
-                queries[:, None, :] * blocks.amax(1)[None],
-                queries[:, None, :] * blocks.amin(1)[None],
-            ).sum(-1)  # [per_kv, older]
-            for block in bound.amax(0).topk(min(topk, older)).indices.tolist():
+            if policy.csa_index == "means":
+                score = queries @ blocks.mean(1).T  # [per_kv, older]
+            else:
+                score = torch.maximum(
+                    queries[:, None, :] * blocks.amax(1)[None],
+                    queries[:, None, :] * blocks.amin(1)[None],
+                ).sum(-1)
+            for block in score.amax(0).topk(min(topk, older)).indices.tolist():
                 seen[sinks + block * bs : sinks + (block + 1) * bs] = True
             logits = queries @ keys[: p + 1, h][seen].T * scale
             out[p, h * per_kv : (h + 1) * per_kv] = logits.softmax(-1) @ values[: p + 1, h][seen]
     return out
 
 
+@pytest.mark.parametrize("index", ["bounds", "means"])
 @pytest.mark.parametrize("index_dtype", ["auto", "fp16"])
 def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(
-    tiny_llama, index_dtype
+    tiny_llama, index, index_dtype
 ):
-    """The first layer's attention output over a chunked prefill equals Quest's rule computed
-    here from the q, k and v the attention received; no summaries are held. The key bounds
-    live in the fp16 K/V pools (auto) or in a separate fp16 index: the same bounds."""
-    policy = QUEST.replace(csa_index_dtype=index_dtype)
+    """The first layer's attention output over a chunked prefill equals the selection rule
+    computed here from the q, k and v the attention received; no summaries are held. The key
+    bounds or means live in the fp16 K/V pools (auto) or in a separate fp16 index: the same."""
+    policy = QUEST.replace(csa_index=index, csa_index_dtype=index_dtype)
     llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
     engine = llm.engine
     seen = []
@@ -188,8 +193,10 @@ def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(
     while len(seen) < -(-len(prompt) // QUEST.chunk_size):  # the prefill chunks
         engine.step()
     q, k, v, out = (torch.cat([part[i] for part in seen]) for i in range(4))
-    expected = quest_attention(q, k, v, QUEST, seen[0][4])
+    expected = quest_attention(q, k, v, policy, seen[0][4])
     assert relative_error(out, expected) <= 1e-5
     kv = next(iter(engine.scheduler.kv.values()))
     assert kv.summary_blocks == [] and len(kv.host_blocks) == (120 - 4 - 16) // BLOCK
     assert len(kv.host_blocks) > QUEST.csa_topk  # the choice matters
+    other = policy.replace(csa_index="bounds" if index == "means" else "means")
+    assert relative_error(quest_attention(q, k, v, other, seen[0][4]), expected) > 1e-3

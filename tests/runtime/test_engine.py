@@ -169,16 +169,21 @@ POLICIES_FOR_BYTES = [
     SELECTING.replace(k_dtype="int4", csa_topk=2, chunk_size=24),
     # Selection without summaries: the host tier, staging pool and key bounds alone.
     SELECTING.replace(csa_summary="none", csa_topk=2, recent_unquantized=8, chunk_size=24),
-    # Selection beside rotated per-channel int4 keys, with the key bounds in an int4 index.
-    SELECTING.replace(
-        k_dtype="int4",
-        v_dtype="int4",
-        k_scale_axis="channel",
-        csa_summary="none",
-        csa_topk=2,
-        csa_index_dtype="int4",
-        rotation="hadamard",
-        chunk_size=24,
+    # Selection beside rotated per-channel int4 keys, with the key bounds or the mean keys (an
+    # index pool without a V half) in an int4 index.
+    *(
+        SELECTING.replace(
+            k_dtype="int4",
+            v_dtype="int4",
+            k_scale_axis="channel",
+            csa_summary="none",
+            csa_topk=2,
+            csa_index=index,
+            csa_index_dtype="int4",
+            rotation="hadamard",
+            chunk_size=24,
+        )
+        for index in ("bounds", "means")
     ),
     # Importance-kept blocks beside summaries, demoted from a recent region first.
     KVPolicy(
@@ -280,14 +285,18 @@ TRITON_POLICIES = [
     ),
     # CSA selection: the stream kernel reads each query's chosen blocks through its mask.
     SELECTING,
-    # The same beside rotated per-channel int4 keys, bounds in an int4 index.
-    SELECTING.replace(
-        k_dtype="int4",
-        v_dtype="int4",
-        k_scale_axis="channel",
-        csa_summary="none",
-        csa_index_dtype="int4",
-        rotation="hadamard",
+    # The same beside rotated per-channel int4 keys, bounds or means in an int4 index.
+    *(
+        SELECTING.replace(
+            k_dtype="int4",
+            v_dtype="int4",
+            k_scale_axis="channel",
+            csa_summary="none",
+            csa_index=index,
+            csa_index_dtype="int4",
+            rotation="hadamard",
+        )
+        for index in ("bounds", "means")
     ),
 ]
 

@@ -202,6 +202,13 @@ def test_selection_counts_staging_and_bounds_on_the_device_and_the_pooled_blocks
     fp16_index = quest.replace(csa_index_dtype="fp16")
     index_block = 16 * 3 * 2 * 128 * 30
     assert kv_bytes_per_sequence(SMOL, fp16_index, 2048) == device - 14 * block + 7 * index_block
+    # Mean keys instead of bounds: one K vector a slot, no V half (16 x 3 x 128 B a layer).
+    means_index = fp16_index.replace(csa_index="means")
+    means_block = 16 * 3 * 128 * 30
+    assert kv_bytes_per_sequence(SMOL, means_index, 2048) == device - 14 * block + 7 * means_block
+    # In the layers' fp8: 16 x 3 x 68 B a layer of slots.
+    in_layer = quest.replace(csa_index="means")
+    assert kv_bytes_per_sequence(SMOL, in_layer, 2048) == device - 7 * block - 7 * block // 2
     # Before any block leaves the window: no host tier, no staging, no bounds.
     assert host_kv_bytes_per_sequence(SMOL, policy, 272) == 0
     assert kv_bytes_per_sequence(SMOL, policy, 272) == 17 * block

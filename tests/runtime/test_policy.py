@@ -58,6 +58,8 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
             },
             "policy.csa_summary",
         ),
+        ({"csa_ratio": 4, "csa_index": "means", "csa_summary": "none"}, "policy.csa_summary"),
+        ({"csa_index": "max"}, "policy.csa_index"),
         ({"csa_index_dtype": "fp4"}, "policy.csa_index_dtype"),
         ({"csa_ratio": 4, "csa_index_dtype": "int4"}, "policy.csa_index_dtype"),
         (

@@ -145,6 +145,13 @@ POLICIES = {
         block_size=BLOCK,
     ),
 }
+# Selection on mean keys in the layers' own int8 pools (auto): an index pool without a V half.
+# (With fp8 values this case sits on an fp8 rounding boundary: a value of layer 1 computed for 1
+# and for 90 tokens rounds to codes a step apart, 2.6e-4 at the positions that read it; the
+# selections are the same.)
+POLICIES["csa_select_means"] = POLICIES["csa_select_no_summaries"].replace(
+    v_dtype="int8", recent_unquantized=0, csa_index="means"
+)
 PROMPT = random_tokens(90, seed=3)
 OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
 

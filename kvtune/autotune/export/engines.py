@@ -312,11 +312,10 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
             "part of an evicted context; the engines keep every token on the device"
         )
     if policy.selects:
-        index = (
-            f", scored on key bounds in a {policy.csa_index_dtype} index of their own"
-            if policy.separate_index
-            else ""
-        )
+        scored_on = {"bounds": "key bounds", "means": "mean keys", "summaries": "summaries"}
+        index = f", scored on {scored_on[policy.csa_index]}"
+        if policy.separate_index:
+            index += f" in a {policy.csa_index_dtype} index of their own"
         gaps.append(
             f"query-aware selection of {policy.csa_topk} older blocks per query from a host-memory "
             f"tier{index}: neither engine expresses it for this model (SGLang's hisparse exists "

@@ -31,7 +31,8 @@ def _policy_label(row: CapacityRow) -> str:
     csa = f" {pooled} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
     if p.selects:
         csa += f" top{p.csa_topk} from host"
-        csa += f" ({p.csa_index_dtype} bounds index)" if p.separate_index else ""
+        dtype = f"{p.csa_index_dtype} " if p.separate_index else ""
+        csa += f" ({dtype}{p.csa_index} index)"
     if p.keeps:
         csa += f" keep {p.csa_keep:g}"
     layers = " per-layer" if p.layer_dtypes else ""

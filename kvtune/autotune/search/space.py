@@ -35,6 +35,7 @@ from kvtune.runtime.policy import (
     NO_ROTATION,
     NO_SUMMARY,
     PER_TENSOR,
+    POOLED_INDEXES,
     ROTATION_NAMES,
     SCALE_DTYPES,
     ZERO_POINT_DTYPES,
@@ -92,9 +93,10 @@ def _can_keep(knobs: Mapping[str, Any]) -> bool:
 
 
 def _can_skip_summaries(knobs: Mapping[str, Any]) -> bool:
-    """Whether a draw may drop the summaries (KVPolicy's rule): only selection by key bounds
-    reads older blocks then. Elsewhere csa_summary falls back to the default pooling."""
-    return knobs["csa_topk"] > 0 and knobs["csa_index"] == "bounds"
+    """Whether a draw may drop the summaries (KVPolicy's rule): only selection on an index pool
+    (key bounds or means) reads older blocks then. Elsewhere csa_summary falls back to the
+    default pooling."""
+    return knobs["csa_topk"] > 0 and knobs["csa_index"] in POOLED_INDEXES
 
 
 def _can_scale_keys_per_channel(knobs: Mapping[str, Any]) -> bool:
@@ -361,7 +363,7 @@ class SearchSpace:
         if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
             knobs["csa_summary"] = _DEFAULTS.csa_summary
         if not _can_skip_summaries(knobs):
-            knobs["csa_index_dtype"] = INDEX_IN_LAYER_FORMAT  # only key-bounds selection uses it
+            knobs["csa_index_dtype"] = INDEX_IN_LAYER_FORMAT  # only an index pool uses it
         if not _can_scale_keys_per_channel(knobs):
             knobs["k_scale_axis"] = "token"  # channel scales need whole blocks, not summaries
         pairs = [""] * self.num_layers
@@ -491,7 +493,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         )
     if not policy.selects:
         changes.update(csa_index=_DEFAULTS.csa_index)
-    if not policy.selects or policy.csa_index != "bounds":
+    if not policy.pooled_index:
         changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)
     if policy.compressed and not policy.summarises:
         changes.update(csa_ratio=2)  # nothing is pooled: every ratio is the same policy

@@ -1,0 +1,154 @@
+"""Which block-scoring rule finds the pass key's block among hundreds: Quest key bounds over
+whole blocks, bounds over smaller sub-blocks, the mean key, against the exact scores.
+
+For passkey haystacks (the suite's generator) at each --contexts length, one exact fp32 forward
+of the prompt through the model (no cache, no quantization) records each layer's queries at the
+last position (where the answer's first token is predicted) and its post-RoPE keys. Every
+(layer, KV head) then ranks the older blocks (outside --sinks and --window) by each rule, and
+the table gives the share of pairs whose --topk holds the key's block:
+- among all pairs, and among the pairs that need it: those whose exact attention (summed over
+  the KV head's query heads) puts the key's block in its own top --topk blocks;
+- rules: `exact max` (the largest q.k over the block's keys and the head's queries: what an
+  index without loss would rank by), `bounds /n` (Quest's upper bound of q.k from the
+  per-channel max and min of keys, over n-token sub-blocks, block score the largest), and
+  `mean key` (q.mean of the block's post-RoPE keys: one vector a block, half the bounds'
+  bytes). A KV head scores a block by the largest over its query heads.
+It bounds what sharper scoring could give before any of it is built: the runtime's own choice
+(quantized index) is `benchmarks.selection_recall`.
+
+    .venv/bin/python -m benchmarks.selection_scoring [--contexts 3072,7168] [--docs 3]
+        [--topk 80] [--block-size 16] [--sinks 16] [--window 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.selection_recall import key_blocks, passkey_rows
+from kvtune.runtime.model import DecoderModel, DenseCausalAttention
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.tokenizer import Tokenizer
+
+# A rule maps queries [Hkv, g, D] and one layer's older keys [Hkv, blocks, block_size, D] to
+# block scores [Hkv, blocks].
+Rule = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def exact_max(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("hgd,hbtd->hgbt", queries, keys).amax(dim=(1, 3))
+
+
+def bounds(sub_block: int) -> Rule:
+    """Quest's upper bound of q.k from the per-channel max and min of keys over sub-blocks of
+    `sub_block` keys; a block scores its largest sub-block."""
+
+    def score(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        heads, blocks, size, dim = keys.shape
+        subs = keys.view(heads, blocks, size // sub_block, sub_block, dim)
+        hi, lo = subs.amax(dim=3), subs.amin(dim=3)
+        upper = torch.einsum("hgd,hbsd->hgbs", queries.clamp(min=0), hi)
+        upper += torch.einsum("hgd,hbsd->hgbs", queries.clamp(max=0), lo)
+        return upper.amax(dim=(1, 3))
+
+    return score
+
+
+def mean_key(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("hgd,hbd->hgb", queries, keys.mean(dim=2)).amax(dim=1)
+
+
+def exact_mass(queries: torch.Tensor, keys: torch.Tensor, all_keys: torch.Tensor) -> torch.Tensor:
+    """[Hkv, blocks]: attention the KV head's query heads give each older block, normalised
+    over every key the query sees (`all_keys` [Hkv, T, D])."""
+    scale = queries.shape[-1] ** -0.5
+    norm = torch.logsumexp(torch.einsum("hgd,htd->hgt", queries, all_keys) * scale, dim=-1)
+    logits = torch.einsum("hgd,hbtd->hgbt", queries, keys) * scale
+    return (logits - norm[:, :, None, None]).exp().sum(dim=(1, 3))
+
+
+def holds(scores: torch.Tensor, key: torch.Tensor, topk: int) -> torch.Tensor:
+    """bool [Hkv]: whether each KV head's top `topk` blocks by `scores` hold all of `key`."""
+    top = scores.topk(topk, dim=-1).indices
+    return torch.stack([torch.isin(key, head_top).all() for head_top in top])
+
+
+class RecordingAttention(DenseCausalAttention):
+    """Exact attention that keeps each layer's last query and all keys (post-RoPE, fp32)."""
+
+    def __init__(self, seq_len: int) -> None:
+        super().__init__([seq_len])
+        self.last_queries: list[torch.Tensor] = []
+        self.keys: list[torch.Tensor] = []
+
+    def __call__(self, layer_index, q, k, v):
+        self.last_queries.append(q[-1].float())
+        self.keys.append(k.float())
+        return super().__call__(layer_index, q, k, v)
+
+
+RULES: dict[str, Rule] = {
+    "exact max": exact_max,
+    "bounds /16": bounds(16),
+    "bounds /8": bounds(8),
+    "bounds /4": bounds(4),
+    "mean key": mean_key,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="3072,7168")
+    parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--topk", type=int, default=80)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--sinks", type=int, default=16)
+    parser.add_argument("--window", type=int, default=256)
+    args = parser.parse_args()
+    folder = resolve_model("smollm2-135m")
+    tokenizer = Tokenizer.from_folder(folder)
+    model = DecoderModel.from_checkpoint(folder, dtype="fp32")
+    num_kv_heads = model.config.num_kv_heads
+    rules = " | ".join(f"{name}: all / needed" for name in RULES)
+    print(f"| context | key depth | pairs that need the key's block | {rules} |")
+    print("|---|---|---|" + "---|" * len(RULES))
+    for context in [int(c) for c in args.contexts.split(",")]:
+        for row in passkey_rows(context, args.docs, args.seed, tokenizer):
+            ids = torch.tensor(tokenizer.encode(row["context"]))
+            blocks = key_blocks(
+                row["context"], row["answer"], tokenizer, args.sinks, args.block_size
+            )
+            key = torch.tensor(list(blocks))
+            older = (len(ids) - args.window - args.sinks) // args.block_size
+            attention = RecordingAttention(len(ids))
+            with torch.inference_mode():
+                model(ids, torch.arange(len(ids)), attention)
+            hits = {name: [] for name in RULES}
+            needed = []
+            for q_last, keys in zip(attention.last_queries, attention.keys, strict=True):
+                queries = q_last.view(num_kv_heads, -1, q_last.shape[-1])
+                all_keys = keys.transpose(0, 1)  # [Hkv, T, D]
+                span = all_keys[:, args.sinks : args.sinks + older * args.block_size]
+                block_keys = span.reshape(num_kv_heads, older, args.block_size, -1)
+                topk = min(args.topk, older)
+                needed.append(holds(exact_mass(queries, block_keys, all_keys), key, topk))
+                for name, rule in RULES.items():
+                    hits[name].append(holds(rule(queries, block_keys), key, topk))
+            need = torch.stack(needed).flatten()
+            cells = []
+            for name in RULES:
+                hit = torch.stack(hits[name]).flatten().float()
+                cells.append(f"{hit.mean():.2f} / {hit[need].mean():.2f}")
+            print(
+                f"| {context} | {row['depth']:.2f} | {int(need.sum())}/{need.numel()} | "
+                + " | ".join(cells)
+                + " |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
