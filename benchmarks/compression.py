@@ -128,7 +128,7 @@ POLICIES: dict[str, KVPolicy] = {
     # K int8 / V int4's 256-token window and 80 blocks a query, at 4-bit.
     "int4 K channel / V rotated w256 + top80 host no summaries int4 index": _int4_host(256, 80),
     # The same scored on mean keys (one K vector a block in the int4 index, half the bounds'
-    # bytes), which rank the blocks a query attends to far better on this model
+    # bytes), which rank blocks by the attention mass they draw better than bounds do
     # (benchmarks.selection_scoring); and the 0.10-of-fp16 budget scored alike.
     "int4 K channel / V rotated w256 + top80 host no summaries int4 means": _int4_host(
         256, 80, "means"

@@ -11,10 +11,11 @@ Three indexes:
   sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a block
   holding the one key a query matches scores high whatever its other keys; a query head group
   scores a block by the largest bound of its query heads.
-- means: one K slot a block holding the mean of its cached (post-RoPE) keys; q.mean is the
-  mean logit the block's keys get, which ranks blocks by the attention they draw far better
-  than the bound does on a small model, whose bounds are loose in every block
-  (`benchmarks.selection_scoring`), at half the bound's bytes. A query head group scores a
+- means: one K slot a block holding the mean of its cached (post-RoPE) keys, at half the
+  bound's bytes; q.mean is the mean logit the block's keys get. On SmolLM2 it ranks blocks by
+  the attention mass they draw better than the bound does (`benchmarks.selection_scoring`),
+  but a mean dilutes the one token that retrieval reads next: end to end it loses multikey
+  and codes (benchmarks/RESULTS.md), so bounds stay the default. A query head group scores a
   block by the largest q.mean of its query heads.
 - summaries (NSA's compressed branch): the block's pooled keys. Each query head's softmax over
   all summaries it sees, summed over the block's summaries and the KV head's query heads. No

@@ -61,8 +61,8 @@ NO_SUMMARY = "none"
 CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
 # What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
 # slot a block: the max in K, the min in V), the mean of its cached keys (one K slot a block;
-# q.mean is the block's mean logit), or its summaries (no extra bytes, but pooled summaries
-# are few and rounded in the layer's formats).
+# q.mean is the block's mean logit, which dilutes the one token retrieval needs), or its
+# summaries (no extra bytes, but a mean dilutes that token too).
 CSA_INDEXES: tuple[str, ...] = ("bounds", "means", "summaries")
 # The indexes kept one slot a block in an index pool of their own (written as blocks leave the
 # window), which let selection run without summaries.
@@ -161,8 +161,8 @@ class KVPolicy:
     csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
         its per-channel key max and min, kept in one device slot a block; Quest), means (q.k
         with the mean of the block's cached keys, one K slot a block: half the bounds' bytes,
-        and on SmolLM2 the better ranking) or summaries (the attention its summaries get; no
-        extra bytes).
+        but on SmolLM2 it loses multi-token retrieval) or summaries (the attention its
+        summaries get; no extra bytes).
     csa_index_dtype: where bounds or means live: auto (one slot a block in the layer's
         formats and rotated space), or fp16, fp8, int8 or int4: a separate index
         pool in the model's basis (groups of 32 channels with fp16 scales for the 8- and 4-bit
