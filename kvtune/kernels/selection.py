@@ -38,6 +38,14 @@ from kvtune.kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
 from kvtune.kernels.rotation import Rotation, unrotate
 
 
+def _index_keys(keys: KVPool, blocks: torch.Tensor, rotation: Rotation | None) -> torch.Tensor:
+    """fp32 [M, block_size, H, D]: the keys of `blocks` in the index's space: the cache's, or
+    the model's basis when the cache is rotated by `rotation` (queries are then scored
+    unrotated)."""
+    vectors = read_blocks_ref(keys, blocks.long()[:, None])
+    return vectors if rotation is None else unrotate(vectors, rotation)
+
+
 def write_key_bounds(
     keys: KVPool,
     blocks: torch.Tensor,
@@ -47,11 +55,8 @@ def write_key_bounds(
     rotation: Rotation | None = None,
 ) -> None:
     """The per-channel max and min of the keys of each of `blocks`, written to slots[i] of
-    hi_pool and lo_pool in their formats: in the cache's space, or in the model's basis when
-    the cache is rotated by `rotation` (un-rotated first; queries are then scored unrotated)."""
-    vectors = read_blocks_ref(keys, blocks.long()[:, None])  # [M, block_size, H, D]
-    if rotation is not None:
-        vectors = unrotate(vectors, rotation)
+    hi_pool and lo_pool in their formats, in the index's space (`_index_keys`)."""
+    vectors = _index_keys(keys, blocks, rotation)
     write_vectors_ref(hi_pool, slots, vectors.amax(dim=1))
     write_vectors_ref(lo_pool, slots, vectors.amin(dim=1))
 
@@ -63,12 +68,9 @@ def write_key_means(
     slots: torch.Tensor,
     rotation: Rotation | None = None,
 ) -> None:
-    """The mean key of each of `blocks`, written to slots[i] of `means` in its format: in the
-    cache's space, or in the model's basis when the cache is rotated by `rotation`."""
-    vectors = read_blocks_ref(keys, blocks.long()[:, None])  # [M, block_size, H, D]
-    if rotation is not None:
-        vectors = unrotate(vectors, rotation)
-    write_vectors_ref(means, slots, vectors.mean(dim=1))
+    """The mean key of each of `blocks`, written to slots[i] of `means` in its format, in the
+    index's space (`_index_keys`)."""
+    write_vectors_ref(means, slots, _index_keys(keys, blocks, rotation).mean(dim=1))
 
 
 def _mean_scores(queries: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
