@@ -27,8 +27,6 @@ from kvtune.runtime import LLM
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.tokenizer import Tokenizer
 
-KEY_PREFIX = "The pass key is "
-
 
 @contextmanager
 def recorded_selections() -> Iterator[list[torch.Tensor]]:
@@ -49,24 +47,26 @@ def recorded_selections() -> Iterator[list[torch.Tensor]]:
 
 
 def key_blocks(text: str, key: str, tokenizer: Tokenizer, sinks: int, block_size: int) -> range:
-    """Older-block indices (counted after the sinks) holding a token of the key's digits."""
-    first = text.index(KEY_PREFIX + key) + len(KEY_PREFIX)
+    """Older-block indices (counted after the sinks) holding a token of the key's digits (their
+    first occurrence: the needle's, as the question and its answer prefix hold no digits)."""
+    first = text.index(key)
     start = len(tokenizer.encode(text[:first]))
     end = len(tokenizer.encode(text[: first + len(key)]))
     return range((start - sinks) // block_size, (end - 1 - sinks) // block_size + 1)
 
 
-def passkey_rows(context: int, docs: int, seed: int, tokenizer: Tokenizer) -> list[dict]:
-    """The suite's passkey haystacks of `context` tokens (rows with context, answer, depth)."""
+def task_rows(task: str, context: int, docs: int, seed: int, tokenizer: Tokenizer) -> list[dict]:
+    """The suite's rows of a needle task (passkey or multikey) at `context` tokens (rows with
+    context, answer, depth; a multikey document gives one row per question)."""
     suite = EvalSuite.from_dict(
         {
-            "name": "passkey-probe",
+            "name": f"{task}-probe",
             "seed": seed,
             "context_tokens": context,
-            "tasks": {"passkey": {"docs": docs}},
+            "tasks": {task: {"docs": docs}},
         }
     )
-    return generate_rows(suite, tokenizer)["passkey"]
+    return generate_rows(suite, tokenizer)[task]
 
 
 def main() -> None:
@@ -93,7 +93,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for context in [int(c) for c in args.contexts.split(",")]:
-        for row in passkey_rows(context, args.docs, args.seed, tokenizer):
+        for row in task_rows("passkey", context, args.docs, args.seed, tokenizer):
             text, key = row["context"], row["answer"]
             blocks = key_blocks(text, key, tokenizer, policy.csa_sinks, policy.block_size)
             with recorded_selections() as calls:

@@ -1,33 +1,39 @@
-"""Which block-scoring rule finds the pass key's block among hundreds: Quest key bounds over
-whole blocks, bounds over smaller sub-blocks, the mean key, against the exact scores.
+"""Which block-scoring rule finds the needle's block among hundreds: Quest key bounds over
+whole blocks, bounds over smaller sub-blocks, the mean key, bounds rescored exactly, against
+the exact scores.
 
-For passkey haystacks (the suite's generator) at each --contexts length, one exact fp32 forward
-of the prompt through the model (no cache, no quantization) records each layer's queries at the
-last position (where the answer's first token is predicted) and its post-RoPE keys. Every
-(layer, KV head) then ranks the older blocks (outside --sinks and --window) by each rule, and
-the table gives the share of pairs whose --topk holds the key's block:
-- among all pairs, and among the pairs that need it: those whose exact attention (summed over
-  the KV head's query heads) puts the key's block in its own top --topk blocks;
+For needle haystacks (the suite's generator: --task passkey or multikey, one row per question)
+at each --contexts length, one exact fp32 forward of the prompt through the model (no cache, no
+quantization) records each layer's queries at the last position (where the answer's first
+token is predicted) and its post-RoPE keys. Every (layer, KV head) then ranks the older blocks
+(outside --sinks and --window) by each rule, and the table gives the share of pairs whose
+--topk holds every block with a digit of the answer:
+- among all pairs; among the pairs that need it by mass (their exact attention, summed over
+  the KV head's query heads, puts the answer's blocks in their own top --topk); and among the
+  pairs that need it by logit (`exact max` holds them: the retrieval criterion);
 - rules: `exact max` (the largest q.k over the block's keys and the head's queries: what an
   index without loss would rank by), `bounds /n` (Quest's upper bound of q.k from the
-  per-channel max and min of keys, over n-token sub-blocks, block score the largest), and
-  `mean key` (q.mean of the block's post-RoPE keys: one vector a block, half the bounds'
-  bytes). A KV head scores a block by the largest over its query heads.
+  per-channel max and min of keys, over n-token sub-blocks, block score the largest), `mean
+  key` (q.mean of the block's post-RoPE keys: one vector a block, half the bounds' bytes) and
+  `bounds, 2k rescored` (the 2 * topk best by bounds, reordered by exact max: what fetching
+  those candidates' exact keys each step would give). A KV head scores a block by the largest
+  over its query heads. Rows whose answer lies in the sinks or window are skipped.
 It bounds what sharper scoring could give before any of it is built: the runtime's own choice
 (quantized index) is `benchmarks.selection_recall`.
 
-    .venv/bin/python -m benchmarks.selection_scoring [--contexts 3072,7168] [--docs 3]
-        [--topk 80] [--block-size 16] [--sinks 16] [--window 256]
+    .venv/bin/python -m benchmarks.selection_scoring [--task passkey] [--contexts 3072,7168]
+        [--docs 3] [--topk 80] [--block-size 16] [--sinks 16] [--window 256]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 import torch
 
-from benchmarks.selection_recall import key_blocks, passkey_rows
+from benchmarks.selection_recall import key_blocks, task_rows
 from kvtune.runtime.model import DecoderModel, DenseCausalAttention
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.tokenizer import Tokenizer
@@ -60,6 +66,19 @@ def mean_key(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hgd,hbd->hgb", queries, keys.mean(dim=2)).amax(dim=1)
 
 
+def rescored(topk: int) -> Rule:
+    """The 2 * topk best blocks by whole-block bounds, reordered by exact max (the others below
+    every candidate)."""
+
+    def score(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        by_bounds = bounds(keys.shape[2])(queries, keys)
+        candidates = by_bounds.topk(min(2 * topk, by_bounds.shape[-1]), dim=-1).indices
+        exact = exact_max(queries, keys).gather(-1, candidates)
+        return torch.full_like(by_bounds, -math.inf).scatter(-1, candidates, exact)
+
+    return score
+
+
 def exact_mass(queries: torch.Tensor, keys: torch.Tensor, all_keys: torch.Tensor) -> torch.Tensor:
     """[Hkv, blocks]: attention the KV head's query heads give each older block, normalised
     over every key the query sees (`all_keys` [Hkv, T, D])."""
@@ -89,17 +108,20 @@ class RecordingAttention(DenseCausalAttention):
         return super().__call__(layer_index, q, k, v)
 
 
-RULES: dict[str, Rule] = {
-    "exact max": exact_max,
-    "bounds /16": bounds(16),
-    "bounds /8": bounds(8),
-    "bounds /4": bounds(4),
-    "mean key": mean_key,
-}
+def rules(topk: int) -> dict[str, Rule]:
+    return {
+        "exact max": exact_max,
+        "bounds /16": bounds(16),
+        "bounds /8": bounds(8),
+        "bounds /4": bounds(4),
+        "mean key": mean_key,
+        "bounds, 2k rescored": rescored(topk),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="passkey", choices=["passkey", "multikey"])
     parser.add_argument("--contexts", default="3072,7168")
     parser.add_argument("--docs", type=int, default=3)
     parser.add_argument("--seed", type=int, default=5)
@@ -112,40 +134,44 @@ def main() -> None:
     tokenizer = Tokenizer.from_folder(folder)
     model = DecoderModel.from_checkpoint(folder, dtype="fp32")
     num_kv_heads = model.config.num_kv_heads
-    rules = " | ".join(f"{name}: all / needed" for name in RULES)
-    print(f"| context | key depth | pairs that need the key's block | {rules} |")
-    print("|---|---|---|" + "---|" * len(RULES))
+    names = list(rules(args.topk))
+    cells = " | ".join(f"{name}: all / by mass / by logit" for name in names)
+    print(f"| context | answer depth | pairs that need its blocks: by mass / by logit | {cells} |")
+    print("|---|---|---|" + "---|" * len(names))
     for context in [int(c) for c in args.contexts.split(",")]:
-        for row in passkey_rows(context, args.docs, args.seed, tokenizer):
+        for row in task_rows(args.task, context, args.docs, args.seed, tokenizer):
             ids = torch.tensor(tokenizer.encode(row["context"]))
             blocks = key_blocks(
                 row["context"], row["answer"], tokenizer, args.sinks, args.block_size
             )
-            key = torch.tensor(list(blocks))
             older = (len(ids) - args.window - args.sinks) // args.block_size
+            if blocks.start < 0 or blocks.stop > older:
+                continue
+            key = torch.tensor(list(blocks))
             attention = RecordingAttention(len(ids))
             with torch.inference_mode():
                 model(ids, torch.arange(len(ids)), attention)
-            hits = {name: [] for name in RULES}
-            needed = []
+            topk = min(args.topk, older)
+            hits = {name: [] for name in names}
+            by_mass = []
             for q_last, keys in zip(attention.last_queries, attention.keys, strict=True):
                 queries = q_last.view(num_kv_heads, -1, q_last.shape[-1])
                 all_keys = keys.transpose(0, 1)  # [Hkv, T, D]
                 span = all_keys[:, args.sinks : args.sinks + older * args.block_size]
                 block_keys = span.reshape(num_kv_heads, older, args.block_size, -1)
-                topk = min(args.topk, older)
-                needed.append(holds(exact_mass(queries, block_keys, all_keys), key, topk))
-                for name, rule in RULES.items():
+                by_mass.append(holds(exact_mass(queries, block_keys, all_keys), key, topk))
+                for name, rule in rules(topk).items():
                     hits[name].append(holds(rule(queries, block_keys), key, topk))
-            need = torch.stack(needed).flatten()
-            cells = []
-            for name in RULES:
+            mass_need = torch.stack(by_mass).flatten()
+            logit_need = torch.stack(hits["exact max"]).flatten()
+            shares = []
+            for name in names:
                 hit = torch.stack(hits[name]).flatten().float()
-                cells.append(f"{hit.mean():.2f} / {hit[need].mean():.2f}")
+                parts = [hit.mean(), hit[mass_need].mean(), hit[logit_need].mean()]
+                shares.append(" / ".join(f"{part:.2f}" for part in parts))
             print(
-                f"| {context} | {row['depth']:.2f} | {int(need.sum())}/{need.numel()} | "
-                + " | ".join(cells)
-                + " |",
+                f"| {context} | {row['depth']:.2f} | {int(mass_need.sum())} / "
+                f"{int(logit_need.sum())} of {mass_need.numel()} | " + " | ".join(shares) + " |",
                 flush=True,
             )
 

@@ -23,19 +23,25 @@ from kvtune.kernels.pool import read_blocks_ref
 
 def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...]:
     """fp32 K, V [B, L, Hkv, D] (rows past a sequence's length zeroed, so that garbage there
-    cannot turn a zero weight into NaN), key positions [B, L], the end of each key's source
-    block [B, L] (for the stream's lifetime rule) and validity [B, L]."""
+    cannot turn a zero weight into NaN) and validity [B, L]."""
     device = stream.block_table.device
     num_blocks = -(-max_len // stream.block_size)
     # A host-tier pool may live off the device: read it where it is, attend on the device.
     table = stream.block_table[:, :num_blocks].clamp(min=0).to(stream.k.codes.device)
     keys = read_blocks_ref(stream.k, table)[:, :max_len].to(device)
     values = read_blocks_ref(stream.v, table)[:, :max_len].to(device)
-    index = torch.arange(max_len, device=device)
-    valid = index[None, :] < stream.lengths.long()[:, None]
-    padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
-    keys[padding] = 0.0  # in place: the gather made fresh tensors
-    values[padding] = 0.0
+    valid = torch.arange(max_len, device=device)[None, :] < stream.lengths.long()[:, None]
+    if not bool(valid.all()):
+        padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
+        keys[padding] = 0.0  # in place: the gather made fresh tensors
+        values[padding] = 0.0
+    return keys, values, valid
+
+
+def _key_positions(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each stored vector's position [B, L] and the end of its source block [B, L] (for the
+    stream's lifetime rule): only a step with query positions (prefill) needs them."""
+    index = torch.arange(max_len, device=stream.block_table.device)
     stride, block_size = stream.position_stride, stream.block_size
     starts = stream.start_positions.long()[:, None]
     positions = starts + index[None, :] * stride + stride - 1
@@ -43,7 +49,7 @@ def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...
     block_ends = starts + torch.minimum(
         source_block_ends[None, :], stream.lengths.long()[:, None] * stride
     )
-    return keys, values, positions, block_ends, valid
+    return positions, block_ends
 
 
 def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
@@ -62,28 +68,39 @@ def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
         runs.setdefault((id(stream.k), id(stream.v), stream.logit_bias), []).append(stream)
     merged = []
     for run in runs.values():
-        is_whole = [bool((s.lengths % s.block_size == 0).all()) for s in run]
-        whole = [s for s, flag in zip(run, is_whole, strict=True) if flag]
-        partial = [s for s, flag in zip(run, is_whole, strict=True) if not flag]
+        lengths = [stream.lengths.tolist() for stream in run]
+        is_whole = [
+            all(n % s.block_size == 0 for n in ns) for s, ns in zip(run, lengths, strict=True)
+        ]
+        whole = [i for i, flag in enumerate(is_whole) if flag]
+        partial = [i for i, flag in enumerate(is_whole) if not flag]
         members = whole + partial[:1]
-        merged.append(_concatenated(members) if len(members) > 1 else members[0])
-        alone.extend(partial[1:])
+        if len(members) > 1:
+            merged.append(_concatenated([run[i] for i in members], [lengths[i] for i in members]))
+        else:
+            merged.append(run[members[0]])
+        alone.extend(run[i] for i in partial[1:])
     return merged + alone
 
 
-def _concatenated(streams: list[PagedStream]) -> PagedStream:
-    """One stream holding each sequence's used blocks of `streams`, in order."""
+def _concatenated(streams: list[PagedStream], lengths: list[list[int]]) -> PagedStream:
+    """One stream holding each sequence's used blocks of `streams` (lengths: each stream's
+    per-sequence lengths), in order. Built on the host: a decode step's tables are a few
+    hundred ids, where a dozen small tensor ops cost more than the loop."""
     block_size = streams[0].block_size
-    tables, used = [], []
-    for stream in streams:
-        blocks = -(-stream.lengths.long() // block_size)
-        width = int(blocks.max())
-        tables.append(stream.block_table[:, :width])
-        used.append(torch.arange(width, device=blocks.device)[None, :] < blocks[:, None])
-    table, in_use = torch.cat(tables, dim=1), torch.cat(used, dim=1)
-    order = torch.argsort((~in_use).to(torch.int8), dim=1, stable=True)
-    lengths = torch.stack([stream.lengths for stream in streams]).sum(0, dtype=torch.int32)
-    return dataclasses.replace(streams[0], block_table=table.gather(1, order), lengths=lengths)
+    tables = [stream.block_table.tolist() for stream in streams]
+    rows = []
+    for seq in range(streams[0].num_seqs):
+        row: list[int] = []
+        for table, stream_lengths in zip(tables, lengths, strict=True):
+            row += table[seq][: -(-stream_lengths[seq] // block_size)]
+        rows.append(row)
+    table = torch.zeros(len(rows), max(1, max(len(row) for row in rows)), dtype=torch.int32)
+    for seq, row in enumerate(rows):
+        table[seq, : len(row)] = torch.tensor(row, dtype=torch.int32)
+    total = torch.tensor([sum(column) for column in zip(*lengths, strict=True)], dtype=torch.int32)
+    device = streams[0].block_table.device
+    return dataclasses.replace(streams[0], block_table=table.to(device), lengths=total.to(device))
 
 
 @dataclass(frozen=True)
@@ -107,13 +124,16 @@ class GroupKeys:
 
 
 def query_groups(q_seq_starts: torch.Tensor) -> list[QueryGroup]:
+    """Sequences grouped by their number of queries, in increasing count (grouped on the host:
+    a handful of sequences, where tensor ops cost more than the loop)."""
     starts = q_seq_starts.long()
-    counts = starts[1:] - starts[:-1]
+    by_count: dict[int, list[int]] = {}
+    for seq, count in enumerate((starts[1:] - starts[:-1]).tolist()):
+        if count:
+            by_count.setdefault(count, []).append(seq)
     groups = []
-    for count in torch.unique(counts).tolist():
-        if count == 0:
-            continue
-        seqs = torch.nonzero(counts == count).flatten()
+    for count, members in sorted(by_count.items()):
+        seqs = torch.tensor(members, device=starts.device)
         offsets = torch.arange(count, device=starts.device)
         groups.append(QueryGroup(seqs, starts[seqs][:, None] + offsets[None, :]))
     return groups
@@ -127,15 +147,18 @@ def group_keys(
     Visible: every valid key without query positions (decode: the query follows every key),
     else the keys whose position the query has reached and whose lifetime covers it; and in
     both cases only where the stream's query_mask, if any, allows."""
-    sub_stream = stream.select(group.seqs)
+    # Groups list their sequences in order: one that holds them all reads the stream as it is.
+    every_seq = len(group.seqs) == stream.num_seqs
+    sub_stream = stream if every_seq else stream.select(group.seqs)
     max_len = int(sub_stream.lengths.max())
     if max_len == 0:
         return None
-    keys, values, key_positions, block_ends, key_valid = _gather_stream(sub_stream, max_len)
+    keys, values, key_valid = _gather_stream(sub_stream, max_len)
     visible = key_valid[:, None, :]
     if q_positions is None:
         visible = visible.expand(-1, group.rows.shape[1], -1)
     else:
+        key_positions, block_ends = _key_positions(sub_stream, max_len)
         positions = q_positions.long()[group.rows][:, :, None]
         visible = visible & (key_positions[:, None, :] <= positions)
         if stream.shown_from is not None:

@@ -93,7 +93,7 @@ def unpack_codes_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def decode_codes_fast(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """bytes [..., B] -> fp32 codes [..., B * 8 / bits], as `unpack_codes_ref(...).float()`.
+    """uint8 bytes [..., B] -> fp32 codes [..., B * 8 / bits], as `unpack_codes_ref(...).float()`.
     2- and 4-bit codes by one shift and mask of the bytes per code slot, written straight into
     the fp32 result: the shifts of the 64-bit words that the reference builds took most of an
     int4 decode step on a CPU, and a 256-entry table lookup was 3x slower than this for int4."""
@@ -101,8 +101,10 @@ def decode_codes_fast(packed: torch.Tensor, bits: int) -> torch.Tensor:
         return packed.float()
     if 8 % bits:
         return unpack_codes_ref(packed, bits).float()
-    per_byte = 8 // bits
+    per_byte, mask = 8 // bits, 2**bits - 1
     codes = torch.empty(*packed.shape, per_byte, dtype=torch.float32, device=packed.device)
-    for slot in range(per_byte):
-        codes[..., slot] = (packed >> (slot * bits)) & (2**bits - 1)
+    codes[..., 0] = packed & mask  # the lowest slot needs no shift, the highest no mask
+    for slot in range(1, per_byte - 1):
+        codes[..., slot] = (packed >> (slot * bits)) & mask
+    codes[..., per_byte - 1] = packed >> ((per_byte - 1) * bits)
     return codes.view(*packed.shape[:-1], packed.shape[-1] * per_byte)

@@ -29,6 +29,7 @@ cache.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -120,25 +121,69 @@ def select_blocks(
     selected = torch.zeros(shape, dtype=torch.bool, device=q.device)
     if num_blocks == 0:
         return selected
-    num_heads, head_dim = q.shape[1], q.shape[2]
+    rule = _BlockRule(kind, vectors_per_block, topk, scale)
+    if q_positions is None:  # decode: one query a sequence, every index vector visible
+        keys, values, valid = _read_index(index, with_values=kind == "bounds")
+        chosen = rule.choose(_grouped_queries(q, keys.shape[2]), keys, values, valid[:, None])
+        selected[:, :, : chosen.shape[-1]] = chosen[:, 0]
+        return selected
     for group in query_groups(q_seq_starts):
         gathered = group_keys(index, group, q_positions)
         if gathered is None:
             continue
-        seqs, length, kv_heads, _ = gathered.keys.shape
-        queries = q[group.rows].float().view(seqs, -1, kv_heads, num_heads // kv_heads, head_dim)
+        queries = _grouped_queries(q[group.rows], gathered.keys.shape[2])
         visible = gathered.visible[:, 0]  # [S, C, L]: an index stream has no query_mask
-        if kind == "bounds":
-            scores = _bound_scores(queries, gathered.keys, gathered.values)
-        elif kind == "means":
-            scores = _mean_scores(queries, gathered.keys)
-        else:
-            scores = _summary_scores(queries, gathered.keys, visible, scale)
-        blocks = length // vectors_per_block
-        block_scores = scores.view(seqs, -1, kv_heads, blocks, vectors_per_block).sum(-1)
-        block_seen = visible.view(seqs, -1, 1, blocks, vectors_per_block).all(-1)
-        block_scores = block_scores.masked_fill(~block_seen, -math.inf)
-        best = block_scores.topk(min(topk, blocks), dim=-1).indices
-        chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best, True)
-        selected[group.rows.flatten(), :, :blocks] = (chosen & block_seen).flatten(0, 1)
+        chosen = rule.choose(queries, gathered.keys, gathered.values, visible)
+        selected[group.rows.flatten(), :, : chosen.shape[-1]] = chosen.flatten(0, 1)
     return selected
+
+
+def _grouped_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """fp32 [S, C, Hkv, g, D] from queries [S, C, Hq, D] or, one a sequence, [S, Hq, D]."""
+    num_heads, head_dim = q.shape[-2:]
+    return q.float().view(q.shape[0], -1, kv_heads, num_heads // kv_heads, head_dim)
+
+
+def _read_index(index: PagedStream, with_values: bool) -> tuple[torch.Tensor, ...]:
+    """fp32 index K, V [S, L, Hkv, D] of every sequence (V only `with_values`, else K again)
+    and validity [S, L]: what decode scores, read once for the whole batch (rows past a
+    sequence's length are masked out of its block scores, not zeroed: a score, unlike an
+    attention weight, never multiplies them)."""
+    lengths = index.lengths.long()
+    length = int(lengths.max())
+    table = index.block_table[:, : -(-length // index.block_size)].clamp(min=0)
+    keys = read_blocks_ref(index.k, table)[:, :length]
+    values = read_blocks_ref(index.v, table)[:, :length] if with_values else keys
+    valid = torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
+    return keys, values, valid
+
+
+@dataclass(frozen=True)
+class _BlockRule:
+    """How a query scores and picks blocks on an index (see `select_blocks`)."""
+
+    kind: str
+    vectors_per_block: int
+    topk: int
+    scale: float
+
+    def choose(
+        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        """bool [S, C, Hkv, blocks]: each query's picks. queries [S, C, Hkv, g, D]; keys,
+        values [S, L, Hkv, D]; visible bool [S, C, L]."""
+        seqs, length, kv_heads, _ = keys.shape
+        if self.kind == "bounds":
+            scores = _bound_scores(queries, keys, values)
+        elif self.kind == "means":
+            scores = _mean_scores(queries, keys)
+        else:
+            scores = _summary_scores(queries, keys, visible, self.scale)
+        per_block = self.vectors_per_block
+        blocks = length // per_block
+        block_scores = scores.view(seqs, -1, kv_heads, blocks, per_block).sum(-1)
+        block_seen = visible.view(seqs, -1, 1, blocks, per_block).all(-1)
+        block_scores = block_scores.masked_fill(~block_seen, -math.inf)
+        best = block_scores.topk(min(self.topk, blocks), dim=-1).indices
+        chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best, True)
+        return chosen & block_seen
