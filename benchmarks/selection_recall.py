@@ -55,7 +55,9 @@ def key_blocks(text: str, key: str, tokenizer: Tokenizer, sinks: int, block_size
     return range((start - sinks) // block_size, (end - 1 - sinks) // block_size + 1)
 
 
-def task_rows(task: str, context: int, docs: int, seed: int, tokenizer: Tokenizer) -> list[dict]:
+def task_rows(
+    task: str, context: int, docs: int, seed: int, tokenizer: Tokenizer, questions: int = 1
+) -> list[dict]:
     """The suite's rows of a needle task (passkey or multikey) at `context` tokens (rows with
     context, answer, depth; a multikey document gives one row per question)."""
     suite = EvalSuite.from_dict(
@@ -63,7 +65,7 @@ def task_rows(task: str, context: int, docs: int, seed: int, tokenizer: Tokenize
             "name": f"{task}-probe",
             "seed": seed,
             "context_tokens": context,
-            "tasks": {task: {"docs": docs}},
+            "tasks": {task: {"docs": docs, "questions": questions}},
         }
     )
     return generate_rows(suite, tokenizer)[task]

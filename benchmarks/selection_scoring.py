@@ -5,7 +5,8 @@ the exact scores.
 For needle haystacks (the suite's generator: --task passkey or multikey, one row per question)
 at each --contexts length, one exact fp32 forward of the prompt through the model (no cache, no
 quantization) records each layer's queries at the last position (where the answer's first
-token is predicted) and its post-RoPE keys. Every (layer, KV head) then ranks the older blocks
+token is predicted; with --through-answer, at every teacher-forced answer token as well, each
+a pair of its own) and its post-RoPE keys. Every (layer, KV head) then ranks the older blocks
 (outside --sinks and --window) by each rule, and the table gives the share of pairs whose
 --topk holds every block with a digit of the answer:
 - among all pairs; among the pairs that need it by mass (their exact attention, summed over
@@ -22,7 +23,8 @@ It bounds what sharper scoring could give before any of it is built: the runtime
 (quantized index) is `benchmarks.selection_recall`.
 
     .venv/bin/python -m benchmarks.selection_scoring [--task passkey] [--contexts 3072,7168]
-        [--docs 3] [--topk 80] [--block-size 16] [--sinks 16] [--window 256]
+        [--docs 3] [--questions 1] [--seed 5] [--topk 80] [--block-size 16] [--sinks 16]
+        [--window 256] [--through-answer]
 """
 
 from __future__ import annotations
@@ -95,15 +97,17 @@ def holds(scores: torch.Tensor, key: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 class RecordingAttention(DenseCausalAttention):
-    """Exact attention that keeps each layer's last query and all keys (post-RoPE, fp32)."""
+    """Exact attention that keeps each layer's last `last` queries ([last, Hq, D]) and all keys
+    (post-RoPE, fp32)."""
 
-    def __init__(self, seq_len: int) -> None:
+    def __init__(self, seq_len: int, last: int = 1) -> None:
         super().__init__([seq_len])
+        self.last = last
         self.last_queries: list[torch.Tensor] = []
         self.keys: list[torch.Tensor] = []
 
     def __call__(self, layer_index, q, k, v):
-        self.last_queries.append(q[-1].float())
+        self.last_queries.append(q[-self.last :].float())
         self.keys.append(k.float())
         return super().__call__(layer_index, q, k, v)
 
@@ -124,11 +128,17 @@ def main() -> None:
     parser.add_argument("--task", default="passkey", choices=["passkey", "multikey"])
     parser.add_argument("--contexts", default="3072,7168")
     parser.add_argument("--docs", type=int, default=3)
+    parser.add_argument("--questions", type=int, default=1, help="a document (multikey)")
     parser.add_argument("--seed", type=int, default=5)
     parser.add_argument("--topk", type=int, default=80)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--sinks", type=int, default=16)
     parser.add_argument("--window", type=int, default=256)
+    parser.add_argument(
+        "--through-answer",
+        action="store_true",
+        help="score at every teacher-forced answer token, not only where the answer starts",
+    )
     args = parser.parse_args()
     folder = resolve_model("smollm2-135m")
     tokenizer = Tokenizer.from_folder(folder)
@@ -139,29 +149,34 @@ def main() -> None:
     print(f"| context | answer depth | pairs that need its blocks: by mass / by logit | {cells} |")
     print("|---|---|---|" + "---|" * len(names))
     for context in [int(c) for c in args.contexts.split(",")]:
-        for row in task_rows(args.task, context, args.docs, args.seed, tokenizer):
-            ids = torch.tensor(tokenizer.encode(row["context"]))
+        for row in task_rows(args.task, context, args.docs, args.seed, tokenizer, args.questions):
+            prompt = tokenizer.encode(row["context"])
+            answer = tokenizer.encode(row["context"] + row["answer"])[len(prompt) :]
+            scored = len(answer) if args.through_answer else 1
+            ids = torch.tensor(prompt + answer[: scored - 1])
             blocks = key_blocks(
                 row["context"], row["answer"], tokenizer, args.sinks, args.block_size
             )
-            older = (len(ids) - args.window - args.sinks) // args.block_size
+            older = (len(prompt) - args.window - args.sinks) // args.block_size
             if blocks.start < 0 or blocks.stop > older:
                 continue
             key = torch.tensor(list(blocks))
-            attention = RecordingAttention(len(ids))
+            attention = RecordingAttention(len(ids), scored)
             with torch.inference_mode():
                 model(ids, torch.arange(len(ids)), attention)
             topk = min(args.topk, older)
             hits = {name: [] for name in names}
             by_mass = []
-            for q_last, keys in zip(attention.last_queries, attention.keys, strict=True):
-                queries = q_last.view(num_kv_heads, -1, q_last.shape[-1])
+            for last_queries, keys in zip(attention.last_queries, attention.keys, strict=True):
                 all_keys = keys.transpose(0, 1)  # [Hkv, T, D]
                 span = all_keys[:, args.sinks : args.sinks + older * args.block_size]
                 block_keys = span.reshape(num_kv_heads, older, args.block_size, -1)
-                by_mass.append(holds(exact_mass(queries, block_keys, all_keys), key, topk))
-                for name, rule in rules(topk).items():
-                    hits[name].append(holds(rule(queries, block_keys), key, topk))
+                for offset, q_last in enumerate(last_queries):
+                    queries = q_last.view(num_kv_heads, -1, q_last.shape[-1])
+                    seen = all_keys[:, : len(prompt) + offset]  # causal: keys up to the query
+                    by_mass.append(holds(exact_mass(queries, block_keys, seen), key, topk))
+                    for name, rule in rules(topk).items():
+                        hits[name].append(holds(rule(queries, block_keys), key, topk))
             mass_need = torch.stack(by_mass).flatten()
             logit_need = torch.stack(hits["exact max"]).flatten()
             shares = []
