@@ -21,15 +21,18 @@ from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.pool import read_blocks_ref
 
 
-def _gather_stream(stream: PagedStream, max_len: int) -> tuple[torch.Tensor, ...]:
+def gather_stream(
+    stream: PagedStream, max_len: int, with_values: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp32 K, V [B, L, Hkv, D] (rows past a sequence's length zeroed, so that garbage there
-    cannot turn a zero weight into NaN) and validity [B, L]."""
+    cannot turn a zero weight into NaN) and validity [B, L]. Without values (a reader that
+    scores keys only) V is K, and the V pool is not read."""
     device = stream.block_table.device
     num_blocks = -(-max_len // stream.block_size)
     # A host-tier pool may live off the device: read it where it is, attend on the device.
     table = stream.block_table[:, :num_blocks].clamp(min=0).to(stream.k.codes.device)
     keys = read_blocks_ref(stream.k, table)[:, :max_len].to(device)
-    values = read_blocks_ref(stream.v, table)[:, :max_len].to(device)
+    values = read_blocks_ref(stream.v, table)[:, :max_len].to(device) if with_values else keys
     valid = torch.arange(max_len, device=device)[None, :] < stream.lengths.long()[:, None]
     if not bool(valid.all()):
         padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
@@ -153,7 +156,7 @@ def group_keys(
     max_len = int(sub_stream.lengths.max())
     if max_len == 0:
         return None
-    keys, values, key_valid = _gather_stream(sub_stream, max_len)
+    keys, values, key_valid = gather_stream(sub_stream, max_len)
     visible = key_valid[:, None, :]
     if q_positions is None:
         visible = visible.expand(-1, group.rows.shape[1], -1)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_torch import group_keys, query_groups
+from kvtune.kernels.attention_torch import gather_stream, group_keys, query_groups
 from kvtune.kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
 from kvtune.kernels.rotation import Rotation, unrotate
 
@@ -116,14 +116,15 @@ def select_blocks(
     of the batch has. A query picks among the blocks whose index vectors it sees (decode: all
     of its sequence's), at most topk of them.
     """
-    num_blocks = math.ceil(int(index.lengths.max()) / vectors_per_block)
+    length = int(index.lengths.max())
+    num_blocks = math.ceil(length / vectors_per_block)
     shape = (q.shape[0], index.num_kv_heads, num_blocks)
     selected = torch.zeros(shape, dtype=torch.bool, device=q.device)
     if num_blocks == 0:
         return selected
     rule = _BlockRule(kind, vectors_per_block, topk, scale)
     if q_positions is None:  # decode: one query a sequence, every index vector visible
-        keys, values, valid = _read_index(index, with_values=kind == "bounds")
+        keys, values, valid = gather_stream(index, length, with_values=kind == "bounds")
         chosen = rule.choose(_grouped_queries(q, keys.shape[2]), keys, values, valid[:, None])
         selected[:, :, : chosen.shape[-1]] = chosen[:, 0]
         return selected
@@ -142,20 +143,6 @@ def _grouped_queries(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """fp32 [S, C, Hkv, g, D] from queries [S, C, Hq, D] or, one a sequence, [S, Hq, D]."""
     num_heads, head_dim = q.shape[-2:]
     return q.float().view(q.shape[0], -1, kv_heads, num_heads // kv_heads, head_dim)
-
-
-def _read_index(index: PagedStream, with_values: bool) -> tuple[torch.Tensor, ...]:
-    """fp32 index K, V [S, L, Hkv, D] of every sequence (V only `with_values`, else K again)
-    and validity [S, L]: what decode scores, read once for the whole batch (rows past a
-    sequence's length are masked out of its block scores, not zeroed: a score, unlike an
-    attention weight, never multiplies them)."""
-    lengths = index.lengths.long()
-    length = int(lengths.max())
-    table = index.block_table[:, : -(-length // index.block_size)].clamp(min=0)
-    keys = read_blocks_ref(index.k, table)[:, :length]
-    values = read_blocks_ref(index.v, table)[:, :length] if with_values else keys
-    valid = torch.arange(length, device=lengths.device)[None, :] < lengths[:, None]
-    return keys, values, valid
 
 
 @dataclass(frozen=True)
