@@ -6,14 +6,14 @@ context, retention on the trial suite and on held-out seeds, greedy exact match 
 multikey (absolute, fp16's beside), greedy generation of the pass key in a --needle-context
 haystack (needle_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
 decode step fetches from the host tier, and the decode step time relative to fp16 measured in
-the same run, fp16's and the row's steps taken in turns (torch path, one sequence of
---decode-context tokens).
+the same run, fp16's and the row's steps taken in turns (torch path, --decode-batch sequences
+of --decode-context tokens each decoding together; 1 by default).
 Accuracy results are cached like the validity benchmark's (content-keyed), so a rerun only
 re-times decode; --decode-only skips them (bytes, fetches and timing alone).
 
     .venv/bin/python -m benchmarks.compression [--cheap quick] [--heldout heldout]
         [--heldout-seeds 1] [--policies "..."] [--decode-context 4096] [--needle-context 4096]
-        [--needle-docs 8] [--threads 0] [--decode-only] [--markdown]
+        [--needle-docs 8] [--decode-batch 1] [--threads 0] [--decode-only] [--markdown]
 """
 
 from __future__ import annotations
@@ -49,7 +49,9 @@ def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
     return base.replace(csa_ratio=ratio, csa_window=window, csa_sinks=16, **changes)
 
 
-def _int4_host(window: int, topk: int, index: str = "bounds") -> KVPolicy:
+def _int4_host(
+    window: int, topk: int, index: str = "bounds", staging: str = "resident"
+) -> KVPolicy:
     """4-bit keys and values with selection from the host tier and no summaries, the index in
     int4 in the model's basis."""
     return _csa(
@@ -61,6 +63,7 @@ def _int4_host(window: int, topk: int, index: str = "bounds") -> KVPolicy:
         csa_summary="none",
         csa_index=index,
         csa_index_dtype="int4",
+        csa_staging=staging,
     )
 
 
@@ -127,6 +130,14 @@ POLICIES: dict[str, KVPolicy] = {
     ),
     # K int8 / V int4's 256-token window and 80 blocks a query, at 4-bit.
     "int4 K channel / V rotated w256 + top80 host no summaries int4 index": _int4_host(256, 80),
+    # The same selections with one staging pool the layers fill in turn (ShadowKV, InfiniGen):
+    # the staging bytes of one layer, not 30; every layer's choice is fetched every step.
+    "int4 K channel / V rotated w256 + top80 streamed no summaries int4 index": _int4_host(
+        256, 80, staging="streamed"
+    ),
+    "int4 K channel / V rotated w128 + top40 streamed no summaries int4 index": _int4_host(
+        128, 40, staging="streamed"
+    ),
     # The same scored on mean keys (one K vector a block in the int4 index, half the bounds'
     # bytes), which rank blocks by the attention mass they draw better than bounds do
     # (benchmarks.selection_scoring); and the 0.10-of-fp16 budget scored alike.
@@ -157,27 +168,39 @@ def needle_suite(base: EvalSuite, context: int, docs: int) -> EvalSuite:
     return load_suite(data)
 
 
-def decode_timing(base: LLM, llm: LLM, context: int, steps: int) -> tuple[float, float, float]:
+# Tokens each timed sequence may generate: enough to keep the first prompts decoding while the
+# later ones prefill; the timed sequences are finished once the timed steps are taken.
+DECODE_HEADROOM = 512
+
+
+def decode_timing(
+    base: LLM, llm: LLM, context: int, steps: int, batch: int = 1
+) -> tuple[float, float, float]:
     """(median seconds of an fp16 decode step, of the policy's, host-tier bytes the policy
-    fetches per step) for one sequence after the same `context`-token prompt in each. The two
+    fetches per sequence and step) over `steps` steps of `batch` sequences decoding together,
+    each after its own `context`-token prompt, the same prompts in both engines. The two
     engines step in turns, so that a shared machine's load drifts into both medians alike."""
     engines = [base.engine, llm.engine]
-    prompt = torch.randint(100, 20_000, (context,), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 20_000, (context,), generator=generator) for _ in range(batch)]
     for engine in engines:
-        engine.add_request(prompt.tolist(), max_new_tokens=steps + 1)
-        while engine.scheduler.has_work and not any(s.output_ids for s in engine.scheduler.running):
-            engine.step()  # prefill
+        for prompt in prompts:
+            engine.add_request(prompt.tolist(), max_new_tokens=DECODE_HEADROOM)
+        while sum(bool(s.output_ids) for s in engine.scheduler.running) < batch:
+            engine.step()  # prefill every prompt
     before = llm.engine.stats()["kv_fetched_bytes"]
     times: list[list[float]] = [[], []]
-    while any(engine.scheduler.has_work for engine in engines):
+    for _ in range(steps):
         for engine, taken in zip(engines, times, strict=True):
-            if engine.scheduler.has_work:
-                started = time.perf_counter()
-                engine.step()
-                taken.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            engine.step()
+            taken.append(time.perf_counter() - started)
     fetched = llm.engine.stats()["kv_fetched_bytes"] - before
+    for engine in engines:
+        for seq in list(engine.scheduler.running):
+            engine.scheduler.finish(seq)
     fp16_step, step = (sorted(taken)[len(taken) // 2] for taken in times)
-    return fp16_step, step, fetched / len(times[1])
+    return fp16_step, step, fetched / steps / batch
 
 
 def main() -> None:
@@ -190,6 +213,9 @@ def main() -> None:
     parser.add_argument("--needle-context", type=int, default=4096)
     parser.add_argument("--needle-docs", type=int, default=8)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument(
+        "--decode-batch", type=int, default=1, help="sequences decoding together when timed"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -207,6 +233,8 @@ def main() -> None:
         parser.error(f"--policies: unknown {unknown}; known: {', '.join(POLICIES)}")
     if args.threads < 0:
         parser.error(f"--threads: {args.threads}; allowed: 0 (torch's default) or a positive count")
+    if args.decode_batch < 1:
+        parser.error(f"--decode-batch: {args.decode_batch}; allowed: a positive count")
     if args.threads:
         torch.set_num_threads(args.threads)
     cheap = load_suite(args.cheap)
@@ -219,8 +247,8 @@ def main() -> None:
     arch = arch_from_folder(folder)
     console = Console()
     cache = JsonCache(default_cache_folder("eval-validity"))
-    length = args.decode_context + args.decode_steps + 8
-    base = LLM(folder, policy=FP16, max_model_len=length, max_num_seqs=1)
+    length = args.decode_context + DECODE_HEADROOM + 8
+    base = LLM(folder, policy=FP16, max_model_len=length, max_num_seqs=args.decode_batch)
     rows = []
     for name in names:
         policy = POLICIES[name]
@@ -235,7 +263,11 @@ def main() -> None:
             greedy = cached_evaluate(policy, needle, cache)["tasks"]["needle_greedy"]
         # fp16 timed beside each row: a shared machine's load drifts over a long run.
         fp16_step, step, fetched = decode_timing(
-            base, base.with_policy(policy), args.decode_context, args.decode_steps
+            base,
+            base.with_policy(policy),
+            args.decode_context,
+            args.decode_steps,
+            args.decode_batch,
         )
         device = " / ".join(f"{bytes_ratio(arch, policy, t):.3f}" for t in contexts)
         host = " / ".join(
@@ -256,7 +288,10 @@ def main() -> None:
             )
         )
         console.log(f"{name}: {device} device, {step / fp16_step:.2f}x fp16's decode step")
-    print_table(rows, cheap.name, contexts, args.decode_context, args.markdown, console)
+    decode_at = f"{args.decode_context}" + (
+        f" x{args.decode_batch}" if args.decode_batch > 1 else ""
+    )
+    print_table(rows, cheap.name, contexts, decode_at, args.markdown, console)
 
 
 def _retention(result: dict | None) -> str:
@@ -275,7 +310,7 @@ def _exact(result: dict | None, task: str) -> str:
 
 
 def print_table(
-    rows: list, cheap: str, contexts: list[int], context: int, markdown: bool, console: Console
+    rows: list, cheap: str, contexts: list[int], context: str, markdown: bool, console: Console
 ) -> None:
     at = " / ".join(f"@{t}" for t in contexts)
     headers = [
@@ -287,7 +322,7 @@ def print_table(
         "passkey exact (fp16)",
         "multikey exact (fp16)",
         "greedy needle exact (fp16)",
-        f"KiB fetched / decode step @{context}",
+        f"KiB fetched / sequence / decode step @{context}",
         f"decode step / fp16 @{context}",
     ]
     lines = []

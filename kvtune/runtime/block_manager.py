@@ -19,8 +19,9 @@ tier (`SequenceKV.host_blocks`, in order of position from csa_sinks on), its key
 key go to a slot of the index pool (`SequenceKV.index_blocks`, block_size slots a block), and
 the sequence holds min(csa_topk, pooled blocks) main-pool staging blocks into which each layer
 fetches the blocks its queries select (`SequenceKV.staged`: per layer and KV head, the host
-block whose head slice each staging block holds). Without summaries (csa_summary none) a block
-leaving the window only moves to the host tier.
+block whose head slice each staging block holds); with a streamed staging pool
+(policy.streams_staging) those blocks come from the STAGE pool, which the layers share.
+Without summaries (csa_summary none) a block leaving the window only moves to the host tier.
 With importance keeping (policy.keeps), pooling the first block of each group of KEEP_GROUP older
 blocks allocates csa_keep * KEEP_GROUP main-pool blocks (`SequenceKV.keep_blocks`) and records the
 group's blocks as candidates (`SequenceKV.pending_keeps`): every block of the group is complete
@@ -46,6 +47,9 @@ MAIN = "main"
 RECENT = "recent"
 HOST = "host"
 INDEX = "index"
+STAGE = "stage"
+# The pools that live on the device (the host tier does not).
+DEVICE_KINDS = (MAIN, RECENT, INDEX, STAGE)
 
 
 class BlockPool:
@@ -162,6 +166,7 @@ class BlockNeeds:
     recent: int
     host: int = 0
     index: int = 0
+    stage: int = 0
 
 
 class BlockManager:
@@ -174,6 +179,7 @@ class BlockManager:
         num_recent_blocks: int,
         num_host_blocks: int = 0,
         num_index_blocks: int = 0,
+        num_stage_blocks: int = 0,
     ) -> None:
         self.policy = policy
         self.pools = {
@@ -181,7 +187,9 @@ class BlockManager:
             RECENT: BlockPool(num_recent_blocks),
             HOST: BlockPool(num_host_blocks),
             INDEX: BlockPool(num_index_blocks),
+            STAGE: BlockPool(num_stage_blocks),
         }
+        self.staging_kind = STAGE if policy.streams_staging else MAIN
         self.tail_kind = RECENT if policy.recent_tail else MAIN
 
     def new_sequence(self) -> SequenceKV:
@@ -227,6 +235,7 @@ class BlockManager:
             recent=max(0, peak_recent - held[RECENT]),
             host=max(0, after.host - held[HOST]),
             index=max(0, after.index - held[INDEX]),
+            stage=max(0, after.streamed - held[STAGE]),
         )
 
     def _main_blocks_before_attention(self, end: int) -> int:
@@ -248,15 +257,18 @@ class BlockManager:
             and need.recent <= self.pools[RECENT].num_free
             and need.host <= self.pools[HOST].num_free
             and need.index <= self.pools[INDEX].num_free
+            and need.stage <= self.pools[STAGE].num_free
         )
 
     def held(self, kv: SequenceKV) -> dict[str, int]:
         counts = {
-            MAIN: len(kv.summary_blocks) + len(kv.staging_blocks) + len(kv.keep_blocks),
+            MAIN: len(kv.summary_blocks) + len(kv.keep_blocks),
             RECENT: 0,
             HOST: len(kv.host_blocks),
             INDEX: len(kv.index_blocks),
+            STAGE: 0,
         }
+        counts[self.staging_kind] += len(kv.staging_blocks)
         for block in kv.sinks.blocks + kv.window.blocks:
             counts[block.kind] += 1
         return counts
@@ -333,7 +345,7 @@ class BlockManager:
         host = self.pools[HOST].allocate()
         kv.host_blocks.append(host)
         if len(kv.staging_blocks) < min(self.policy.csa_topk, len(kv.host_blocks)):
-            kv.staging_blocks.append(self.pools[MAIN].allocate())
+            kv.staging_blocks.append(self.pools[self.staging_kind].allocate())
         slots = tuple(range(host * bs, (host + 1) * bs))
         # Without summaries no pooling copy follows: this one frees the block.
         frees = not self.policy.summarises
@@ -398,8 +410,10 @@ class BlockManager:
         """Return every block of a finished or preempted sequence."""
         for block in kv.sinks.blocks + kv.window.blocks:
             self.pools[block.kind].release(block.block_id)
-        for block_id in kv.summary_blocks + kv.staging_blocks + kv.keep_blocks:
+        for block_id in kv.summary_blocks + kv.keep_blocks:
             self.pools[MAIN].release(block_id)
+        for block_id in kv.staging_blocks:
+            self.pools[self.staging_kind].release(block_id)
         for block_id in kv.index_blocks:
             self.pools[INDEX].release(block_id)
         for block_id in kv.host_blocks:

@@ -19,7 +19,15 @@ import torch
 
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import CacheOps
-from kvtune.runtime.block_manager import INDEX, MAIN, RECENT, BlockManager, SequenceKV
+from kvtune.runtime.block_manager import (
+    DEVICE_KINDS,
+    INDEX,
+    MAIN,
+    RECENT,
+    STAGE,
+    BlockManager,
+    SequenceKV,
+)
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import ceil_div, sequence_blocks
 from kvtune.runtime.kv_cache import KVCache, block_bytes
@@ -80,6 +88,7 @@ class PoolSizes:
     step_tokens: int
     host_blocks: int = 0
     index_blocks: int = 0
+    stage_blocks: int = 0
 
 
 def host_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
@@ -98,6 +107,12 @@ def index_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
     return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).index
 
 
+def stage_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
+    """Streamed staging blocks (each a block of every distinct layer format): those of
+    max_num_seqs full-length sequences, reserved whole beside the main pool like the index."""
+    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).streamed
+
+
 def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:
     """Blocks of each pool for the budget; refuses a budget below one full-length sequence.
 
@@ -108,7 +123,8 @@ def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolS
     recent = recent_pool_blocks(policy, config.max_num_seqs, step_tokens)
     one_sequence = main_blocks_for_one_sequence(policy, config.max_model_len, step_tokens)
     index = index_pool_blocks(policy, config)
-    reserved = recent * sizes[RECENT] + index * sizes[INDEX]
+    stage = stage_pool_blocks(policy, config)
+    reserved = recent * sizes[RECENT] + index * sizes[INDEX] + stage * sizes[STAGE]
     budget = config.kv_budget_bytes
     if budget is None:
         budget = config.max_num_seqs * one_sequence * sizes[MAIN] + reserved
@@ -121,7 +137,8 @@ def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolS
             f">= {needed} bytes: one {config.max_model_len}-token sequence under this policy "
             "(raise the budget, lower max_model_len, or quantize/compress more)",
         )
-    return PoolSizes(main, recent, step_tokens, host_pool_blocks(policy, config), index)
+    host = host_pool_blocks(policy, config)
+    return PoolSizes(main, recent, step_tokens, host, index, stage)
 
 
 class Engine:
@@ -145,7 +162,12 @@ class Engine:
         sizes = pool_sizes(arch, policy, config)
         self.block_bytes = block_bytes(arch, policy)
         self.blocks = BlockManager(
-            policy, sizes.main_blocks, sizes.recent_blocks, sizes.host_blocks, sizes.index_blocks
+            policy,
+            sizes.main_blocks,
+            sizes.recent_blocks,
+            sizes.host_blocks,
+            sizes.index_blocks,
+            sizes.stage_blocks,
         )
         self.cache = KVCache(arch, policy, self.blocks, ops, tensor_scales, device, model.inv_freq)
         self.scheduler = Scheduler(
@@ -205,7 +227,7 @@ class Engine:
 
     def _held_bytes(self, kv: SequenceKV) -> int:
         held = self.blocks.held(kv)
-        return sum(held[kind] * self.block_bytes[kind] for kind in (MAIN, RECENT, INDEX))
+        return sum(held[kind] * self.block_bytes[kind] for kind in DEVICE_KINDS)
 
     def step(self) -> list[Sequence]:
         """Run one batch; returns the sequences that finished in it."""

@@ -18,10 +18,13 @@ total here is counted in blocks.
 With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy in the host
 tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
-host bytes the tier. With csa_index = bounds each pooled block also keeps one device slot of
-key bounds (max in K, min in V), with csa_index = means one K slot of its mean key (no V half),
-packed block_size to a block of the index pool: in the layer's formats (csa_index_dtype auto)
-or in the index dtype. Without summaries (csa_summary none) the summary stream is empty.
+host bytes the tier. The staging pool is resident (every layer's own blocks, in the main pool) or,
+with csa_staging = streamed, one pool the layers fill in turn: its blocks cost one block of each
+distinct layer format, not of every layer. With csa_index = bounds each pooled block also keeps
+one device slot of key bounds (max in K, min in V), with csa_index = means one K slot of its
+mean key (no V half), packed block_size to a block of the index pool: in the layer's formats
+(csa_index_dtype auto) or in the index dtype. Without summaries (csa_summary none) the summary
+stream is empty.
 With importance keeping (csa_keep) a sequence holds csa_keep * KEEP_GROUP device blocks for every
 group of KEEP_GROUP pooled blocks, counted from the group's first: each layer and KV head copies
 into them the group's blocks that received the most attention (their summaries stay too).
@@ -58,6 +61,7 @@ class SequenceBlocks:
     recent: int
     summary: int
     staging: int = 0
+    streamed: int = 0
     host: int = 0
     index: int = 0
     kept: int = 0
@@ -71,7 +75,7 @@ class SequenceBlocks:
     @property
     def total(self) -> int:
         """Device blocks of every kind."""
-        return self.main + self.recent + self.index
+        return self.main + self.recent + self.index + self.streamed
 
 
 def exact_extents(policy: KVPolicy, num_tokens: int) -> list[StreamExtent]:
@@ -134,11 +138,13 @@ def sequence_blocks(policy: KVPolicy, num_tokens: int) -> SequenceBlocks:
         quantized += ceil_div(extent.length, bs) - in_recent
     summary = ceil_div(summary_tokens(policy, num_tokens), bs)
     host = compressed_blocks(policy, num_tokens) if policy.selects else 0
+    staging = min(policy.csa_topk, host)
     return SequenceBlocks(
         quantized=quantized,
         recent=recent,
         summary=summary,
-        staging=min(policy.csa_topk, host),
+        staging=0 if policy.streams_staging else staging,
+        streamed=staging if policy.streams_staging else 0,
         host=host,
         index=ceil_div(host, bs) if policy.pooled_index else 0,
         kept=kept_blocks(policy, num_tokens),
@@ -217,7 +223,14 @@ def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) ->
         index_block = layer_block_bytes(arch, f.k_index, f.v_index, bs)
         total += blocks.main * layer_block + blocks.recent * recent_block
         total += blocks.index * index_block
-    return total
+    return total + blocks.streamed * streamed_block_bytes(arch, policy)
+
+
+def streamed_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
+    """Bytes of one block of a streamed staging pool: one block of each distinct layer format
+    (layers of one format fill the same pool in turn)."""
+    distinct = {(f.k, f.v) for f in layer_formats(arch, policy)}
+    return sum(layer_block_bytes(arch, k, v, policy.block_size) for k, v in distinct)
 
 
 def main_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
@@ -234,5 +247,7 @@ def host_kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: in
 
 def max_fetch_bytes_per_step(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Most bytes one decode step of a num_tokens sequence fetches from the host tier: every
-    staging block refilled in every layer (steps whose choice stays fetch nothing)."""
-    return sequence_blocks(policy, num_tokens).staging * main_block_bytes(arch, policy)
+    staging block refilled in every layer (what a streamed staging pool fetches every step; a
+    resident one fetches nothing for a choice that stays)."""
+    blocks = sequence_blocks(policy, num_tokens)
+    return (blocks.staging + blocks.streamed) * main_block_bytes(arch, policy)

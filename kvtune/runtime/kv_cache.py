@@ -22,7 +22,9 @@ layer's formats and rotated space, or (a separate csa_index_dtype) in the model'
 scored with the unrotated queries. A
 prefill chunk reads the selected blocks where they are (each query its own choice, by mask); a
 decode step fetches them into the sequence's staging blocks, reusing those still there, and
-counts the bytes it moved.
+counts the bytes it moved. A streamed staging pool (policy.streams_staging) is one tensor per
+distinct layer format that every layer of that format fills in turn: each step refetches every
+layer's choice into it.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from kvtune.runtime.block_manager import (
     INDEX,
     MAIN,
     RECENT,
+    STAGE,
     Block,
     BlockCopy,
     BlockManager,
@@ -56,13 +59,14 @@ from kvtune.runtime.block_manager import (
 )
 from kvtune.runtime.clip_counter import ClipCounter, range_limit
 from kvtune.runtime.kept_blocks import KeptBlocks
-from kvtune.runtime.kv_bytes import layer_block_bytes, layer_formats
+from kvtune.runtime.kv_bytes import layer_block_bytes, layer_formats, streamed_block_bytes
 from kvtune.runtime.policy import KVPolicy
 
 
 @dataclass(frozen=True)
 class LayerPools:
-    """K and V pools of one layer, by block kind (MAIN, and RECENT, HOST, INDEX when used)."""
+    """K and V pools of one layer, by block kind (MAIN, and RECENT, HOST, INDEX, STAGE when
+    used; a STAGE pool views codes shared by the layers of one format)."""
 
     k: dict[str, KVPool]
     v: dict[str, KVPool]
@@ -135,6 +139,7 @@ def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
         MAIN: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in formats),
         RECENT: sum(layer_block_bytes(arch, f.k_recent, f.v_recent, bs) for f in formats),
         INDEX: sum(layer_block_bytes(arch, f.k_index, f.v_index, bs) for f in formats),
+        STAGE: streamed_block_bytes(arch, policy),
     }
 
 
@@ -172,6 +177,7 @@ class KVCache:
             torch.device(device),
         )
         self.layer_bytes = [layer_block_bytes(arch, f.k, f.v, bs) for f in all_formats]
+        shared_stages: dict[tuple[KVFormat, KVFormat], tuple[KVPool, KVPool]] = {}
         for formats, (k_scale, v_scale) in zip(all_formats, tensor_scales, strict=True):
             k_pools = {
                 MAIN: KVPool.allocate(formats.k, counts[MAIN], bs, heads, size, k_scale, device)
@@ -203,6 +209,19 @@ class KVCache:
                     (v_pools, formats.v, v_scale),
                 ):
                     pools[HOST] = _host_pool(fmt, counts[HOST], bs, heads, size, scale, device)
+            if counts[STAGE]:
+                shared = shared_stages.setdefault(
+                    (formats.k, formats.v),
+                    tuple(
+                        KVPool.allocate(fmt, counts[STAGE], bs, heads, size, None, device)
+                        for fmt in (formats.k, formats.v)
+                    ),
+                )
+                # The layer's own tensor scale over the shared codes.
+                k_pools[STAGE], v_pools[STAGE] = (
+                    KVPool(pool.codes, pool.scales, pool.fmt, scale)
+                    for pool, scale in zip(shared, (k_scale, v_scale), strict=True)
+                )
             self.layers.append(LayerPools(k_pools, v_pools))
 
     def _summary_alignments(self, inv_freq: torch.Tensor | None) -> list[torch.Tensor | None]:
@@ -226,16 +245,16 @@ class KVCache:
         return self._pool_bytes(lambda kind: kind == HOST)
 
     def _pool_bytes(self, counted: Callable[[str], bool]) -> int:
-        total = 0
+        """Bytes of the pool tensors of the kinds counted, each shared tensor once."""
+        tensors: dict[int, torch.Tensor] = {}
         for layer in self.layers:
             for by_kind in (layer.k, layer.v):
                 for kind, pool in by_kind.items():
-                    if not counted(kind):
-                        continue
-                    total += pool.codes.numel() * pool.codes.element_size()
-                    if pool.scales is not None:
-                        total += pool.scales.numel() * pool.scales.element_size()
-        return total
+                    if counted(kind):
+                        for tensor in (pool.codes, pool.scales):
+                            if tensor is not None:
+                                tensors[tensor.data_ptr()] = tensor
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _int32(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int32, device=self.device)
@@ -508,10 +527,10 @@ class KVCache:
         staged = [
             self._fetch(layer, kv, row) for kv, row in zip(layout.kvs, chosen.tolist(), strict=True)
         ]
-        pools = self.layers[layer]
+        pools, kind = self.layers[layer], self.blocks.staging_kind
         streams["staging" + MAIN] = PagedStream(
-            pools.k[MAIN],
-            pools.v[MAIN],
+            pools.k[kind],
+            pools.v[kind],
             self._block_table(staged),
             self._int32([len(ids) * bs for ids in staged]),
             host.start_positions,
@@ -553,7 +572,13 @@ class KVCache:
         into slices whose block that head no longer chose. A decode query sees every older
         block, so each head chose min(csa_topk, blocks): exactly the staging blocks."""
         heads = len(chosen)
-        staged = kv.staged.setdefault(layer, [{} for _ in range(heads)])
+        kind = self.blocks.staging_kind
+        # A streamed pool holds the previous layer's blocks: everything is fetched again.
+        staged = (
+            [{} for _ in range(heads)]
+            if kind == STAGE
+            else kv.staged.setdefault(layer, [{} for _ in range(heads)])
+        )
         reads, writes, slices = [], [], []
         for head, picks in enumerate(chosen):
             wanted = {kv.host_blocks[i] for i, pick in enumerate(picks) if pick}
@@ -569,7 +594,7 @@ class KVCache:
             pools = self.layers[layer]
             index = [torch.tensor(x, dtype=torch.int64) for x in (reads, writes, slices)]
             for by_kind in (pools.k, pools.v):
-                copy_blocks(by_kind[HOST], index[0], by_kind[MAIN], index[1], index[2])
+                copy_blocks(by_kind[HOST], index[0], by_kind[kind], index[1], index[2])
             self.fetched_bytes += len(reads) * self.layer_bytes[layer] // heads
         return list(kv.staging_blocks)
 

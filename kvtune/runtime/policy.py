@@ -73,6 +73,12 @@ POOLED_INDEXES: tuple[str, ...] = ("bounds", "means")
 # quantized a whole block at a time, can sit beside selection).
 INDEX_IN_LAYER_FORMAT = "auto"
 CSA_INDEX_DTYPES: tuple[str, ...] = (INDEX_IN_LAYER_FORMAT, "fp16", "fp8", "int8", "int4")
+# Where decode puts the blocks it fetches from the host tier: resident (each layer keeps its own
+# staging blocks, so a block chosen again next step is not fetched again) or streamed (one
+# staging pool shared by the layers in turn, as ShadowKV and InfiniGen fetch a layer at a time:
+# a layer's selection is fetched every step, for 1 / num_layers of the device bytes).
+RESIDENT_STAGING = "resident"
+CSA_STAGINGS: tuple[str, ...] = (RESIDENT_STAGING, "streamed")
 # Channels sharing one fp16 scale in a quantized separate index: bounds in the model's basis
 # keep RoPE's outlier channels, which one scale a vector would flatten.
 INDEX_GROUP = 32
@@ -170,6 +176,10 @@ class KVPolicy:
     csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
         CPU has a second pool), from which selected blocks are fetched into a device staging
         pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
+    csa_staging: resident (every layer holds its own staging pool and refetches only the
+        blocks its heads newly chose) or streamed (one staging pool, in each distinct layer
+        format, that the layers fill in turn: every step fetches every layer's choice, for
+        about 1 / num_layers of the staging bytes; ShadowKV, InfiniGen).
     csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
         per layer and KV head by the attention they received while in the window (H2O /
         SnapKV style, from queries that already ran): in every group of 8 consecutive older
@@ -206,6 +216,7 @@ class KVPolicy:
     csa_index: str = "bounds"
     csa_index_dtype: str = INDEX_IN_LAYER_FORMAT
     csa_host: bool = False
+    csa_staging: str = RESIDENT_STAGING
     csa_keep: float = 0.0
     block_size: int = 16
     chunk_size: int = 512
@@ -390,6 +401,16 @@ class KVPolicy:
                 self.csa_host,
                 "true when csa_topk > 0 (the selected exact blocks live in the host tier)",
             )
+        if self.csa_staging not in CSA_STAGINGS:
+            raise ConfigError(
+                _field("csa_staging"), self.csa_staging, f"one of {', '.join(CSA_STAGINGS)}"
+            )
+        if self.csa_staging != RESIDENT_STAGING and not self.csa_topk:
+            raise ConfigError(
+                _field("csa_staging"),
+                self.csa_staging,
+                f"{RESIDENT_STAGING} unless csa_topk > 0 (only selection fetches into staging)",
+            )
         if self.csa_host and not self.csa_topk:
             raise ConfigError(
                 _field("csa_topk"),
@@ -450,6 +471,11 @@ class KVPolicy:
     def selects(self) -> bool:
         """Whether queries read selected exact older blocks from the host tier."""
         return self.csa_topk > 0
+
+    @property
+    def streams_staging(self) -> bool:
+        """Whether the layers share one staging pool, filled by each in turn every step."""
+        return self.selects and self.csa_staging != RESIDENT_STAGING
 
     @property
     def pooled_index(self) -> bool:

@@ -139,6 +139,7 @@ def test_engines_keep_every_token_of_a_compressed_policy():
     [
         {"csa_topk": 8, "csa_host": True},
         {"csa_topk": 8, "csa_host": True, "csa_summary": "none", "csa_index_dtype": "int4"},
+        {"csa_topk": 8, "csa_host": True, "csa_staging": "streamed"},
         {"csa_keep": 0.25, "csa_window": 256},
     ],
 )
@@ -153,6 +154,7 @@ def test_selected_and_kept_blocks_export_as_every_token_kept_and_are_named_as_ga
     assert ("host-memory tier" in gaps) == ("csa_topk" in changes)
     assert ("key bounds in a int4 index" in gaps) == ("csa_index_dtype" in changes)
     assert ("kept exact by the attention they received" in gaps) == ("csa_keep" in changes)
+    assert ("one staging pool the layers share" in gaps) == ("csa_staging" in changes)
 
 
 def test_max_num_seqs_is_what_the_target_device_fits():

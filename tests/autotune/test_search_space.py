@@ -310,6 +310,31 @@ def test_the_4bit_selection_start_pairs_channel_keys_with_a_separate_index():
     assert policy == canonical(expected.replace(csa_sinks=policy.csa_sinks))
     without_index = space(**{**knobs, "csa_index_dtype": ["auto"]}).warm_starts()
     assert "int4-k-channel-w256-top80-host-int4-index" not in without_index
+    # Its streamed twin needs csa_staging among the candidates.
+    assert "int4-k-channel-w256-top80-streamed-int4-index" not in search.warm_starts()
+    streaming = space(**knobs, csa_staging=["resident", "streamed"])
+    twin = streaming.warm_starts()["int4-k-channel-w256-top80-streamed-int4-index"]
+    assert streaming.policy(twin) == policy.replace(csa_staging="streamed")
+
+
+def test_staging_is_drawn_only_with_selection():
+    """csa_staging stays resident wherever nothing is selected (KVPolicy's rule), and both
+    stagings are drawn with selection."""
+    search = space(
+        csa_ratio=[1, 2],
+        csa_window=[256],
+        csa_topk=[0, 16],
+        csa_staging=["resident", "streamed"],
+        block_size=[16],
+        chunk_size=[256],
+    )
+    seen = set()
+    for drawn in valid_draws(search, 60, seed=4):
+        if not drawn.selects:
+            assert drawn.csa_staging == "resident"
+        else:
+            seen.add(drawn.csa_staging)
+    assert seen == {"resident", "streamed"}
 
 
 def test_kept_blocks_are_drawn_only_where_the_policy_rules_allow_them():

@@ -77,6 +77,37 @@ def test_decode_fetches_at_most_topk_blocks_a_layer_and_reuses_staged_ones(tiny_
     assert int(steps.sum()) < len(steps) * SELECT.csa_topk * layers * layer_block  # reuse
 
 
+def test_a_streamed_staging_pool_reads_the_same_blocks_and_refetches_them_every_step(tiny_llama):
+    """Layers sharing one staging pool attend exactly what resident staging does (the same
+    greedy tokens), and each decode step fetches every staged block in
+    every layer: min(csa_topk, older blocks) x layers x one layer's block."""
+    prompt = random_tokens(80, seed=14)
+    resident = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
+    streamed_llm = LLM(
+        str(tiny_llama), policy=SELECT.replace(csa_staging="streamed"), max_model_len=256
+    )
+    outputs = [llm.generate([prompt], max_new_tokens=10)[0] for llm in (resident, streamed_llm)]
+    assert outputs[0].token_ids == outputs[1].token_ids
+    engine = streamed_llm.engine
+    layers = streamed_llm.arch.num_layers
+    layer_block = (
+        engine.cache.host_allocated_bytes // engine.blocks.pools[HOST].num_blocks // layers
+    )
+    engine.add_request(prompt, max_new_tokens=6)
+    engine.step()  # prefill: reads the host tier in place
+    before = engine.stats()["kv_fetched_bytes"]
+    steps = []
+    while engine.scheduler.has_work:
+        engine.step()
+        after = engine.stats()["kv_fetched_bytes"]
+        steps.append(after - before)
+        before = after
+    # 80 + t tokens: (80 + t - 4 sinks - 16 window) // 8 >= 7 older blocks, so 2 are staged.
+    assert steps == [SELECT.csa_topk * layers * layer_block] * len(steps)
+    # Staging blocks left the main pool (tests/runtime/test_engine.py counts the shared pool).
+    assert engine.blocks.pools[MAIN].num_blocks < resident.engine.blocks.pools[MAIN].num_blocks
+
+
 def test_the_cache_a_document_leaves_does_not_depend_on_the_question(tiny_llama):
     """Pooled summaries and host blocks of a document are the same bits whatever question
     follows it in the same prefill chunk; only the per-step choice uses the question."""

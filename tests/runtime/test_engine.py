@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import HOST, INDEX, MAIN, RECENT
+from kvtune.runtime.block_manager import DEVICE_KINDS, HOST
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
 from kvtune.runtime.policy import KVPolicy
@@ -167,6 +167,10 @@ POLICIES_FOR_BYTES = [
     ),
     # CSA selection: a host tier, a staging pool and key bounds beside summaries (int4 keys).
     SELECTING.replace(k_dtype="int4", csa_topk=2, chunk_size=24),
+    # A streamed staging pool shared by the layers, one for each of two layer formats.
+    SELECTING.replace(
+        layer_dtypes=("fp8/fp8", "int4/int4"), csa_topk=2, csa_staging="streamed", chunk_size=24
+    ),
     # Selection without summaries: the host tier, staging pool and key bounds alone.
     SELECTING.replace(csa_summary="none", csa_topk=2, recent_unquantized=8, chunk_size=24),
     # Selection beside rotated per-channel int4 keys, with the key bounds or the mean keys (an
@@ -206,9 +210,8 @@ def test_held_bytes_equal_planner_bytes_after_every_step(tiny_llama, policy):
     llm = LLM(str(tiny_llama), policy=policy, max_model_len=160, max_num_seqs=3)
     engine = llm.engine
     # The planner's bytes a block of each device kind are what the pool tensors take.
-    device_kinds = (MAIN, RECENT, INDEX)
     assert engine.cache.allocated_bytes == sum(
-        engine.blocks.pools[kind].num_blocks * engine.block_bytes[kind] for kind in device_kinds
+        engine.blocks.pools[kind].num_blocks * engine.block_bytes[kind] for kind in DEVICE_KINDS
     )
     for i, n in enumerate((37, 61, 5)):
         engine.add_request(random_tokens(n, seed=i), max_new_tokens=20)
@@ -285,6 +288,7 @@ TRITON_POLICIES = [
     ),
     # CSA selection: the stream kernel reads each query's chosen blocks through its mask.
     SELECTING,
+    SELECTING.replace(csa_staging="streamed"),
     # The same beside rotated per-channel int4 keys, bounds or means in an int4 index.
     *(
         SELECTING.replace(

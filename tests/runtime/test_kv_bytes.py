@@ -212,3 +212,31 @@ def test_selection_counts_staging_and_bounds_on_the_device_and_the_pooled_blocks
     # Before any block leaves the window: no host tier, no staging, no bounds.
     assert host_kv_bytes_per_sequence(SMOL, policy, 272) == 0
     assert kv_bytes_per_sequence(SMOL, policy, 272) == 17 * block
+
+
+def test_a_streamed_staging_pool_costs_one_block_of_each_distinct_layer_format():
+    """The selecting fp8 policy above with csa_staging=streamed: its 32 staging blocks are one
+    pool that the layers fill in turn, so they cost 32 blocks of one layer (6,528 B each), not
+    of all 30; every decode step fetches all of them in every layer."""
+    policy = KVPolicy(
+        "fp8",
+        "fp8",
+        csa_ratio=16,
+        csa_window=256,
+        csa_sinks=16,
+        csa_topk=32,
+        csa_host=True,
+        csa_staging="streamed",
+    )
+    layer_block = 16 * 3 * 2 * 68
+    resident_device = (1 + 16 + 7 + 7) * 30 * layer_block
+    assert kv_bytes_per_sequence(SMOL, policy, 2048) == resident_device + 32 * layer_block
+    assert host_kv_bytes_per_sequence(SMOL, policy, 2048) == 111 * 30 * layer_block
+    assert max_fetch_bytes_per_step(SMOL, policy, 2048) == 32 * 30 * layer_block
+    # Two formats (the first 10 layers fp16, so their blocks are 16 x 3 x 2 x 128 B): a pool
+    # of each, 32 blocks apiece.
+    mixed = policy.replace(layer_dtypes=("fp16/fp16",) * 10 + ("fp8/fp8",) * 20)
+    fp16_block = 16 * 3 * 2 * 128
+    mixed_resident = (1 + 16 + 7 + 7) * (10 * fp16_block + 20 * layer_block)
+    expected = mixed_resident + 32 * (fp16_block + layer_block)
+    assert kv_bytes_per_sequence(SMOL, mixed, 2048) == expected

@@ -60,6 +60,11 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
         ),
         ({"csa_ratio": 4, "csa_index": "means", "csa_summary": "none"}, "policy.csa_summary"),
         ({"csa_index": "max"}, "policy.csa_index"),
+        (
+            {"csa_ratio": 4, "csa_topk": 8, "csa_host": True, "csa_staging": "pinned"},
+            "policy.csa_staging",
+        ),
+        ({"csa_ratio": 4, "csa_staging": "streamed"}, "policy.csa_staging"),
         ({"csa_index_dtype": "fp4"}, "policy.csa_index_dtype"),
         ({"csa_ratio": 4, "csa_index_dtype": "int4"}, "policy.csa_index_dtype"),
         (

@@ -73,6 +73,7 @@ def _engine_policy(
         csa_topk=0,
         csa_host=False,
         csa_index_dtype=_DEFAULT_POLICY.csa_index_dtype,
+        csa_staging=_DEFAULT_POLICY.csa_staging,
         csa_keep=0.0,
     )
 
@@ -316,6 +317,11 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
         index = f", scored on {scored_on[policy.csa_index]}"
         if policy.separate_index:
             index += f" in a {policy.csa_index_dtype} index of their own"
+        if policy.streams_staging:
+            index += (
+                ", fetched a layer at a time into one staging pool the layers share (every "
+                "step fetches every layer's choice)"
+            )
         gaps.append(
             f"query-aware selection of {policy.csa_topk} older blocks per query from a host-memory "
             f"tier{index}: neither engine expresses it for this model (SGLang's hisparse exists "

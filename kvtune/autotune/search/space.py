@@ -26,6 +26,7 @@ from kvtune.runtime.policy import (
     BLOCK_SIZES,
     CSA_INDEX_DTYPES,
     CSA_INDEXES,
+    CSA_STAGINGS,
     CSA_SUMMARIES,
     INDEX_IN_LAYER_FORMAT,
     K_SCALE_AXES,
@@ -58,6 +59,7 @@ KNOB_NAMES = (
     "csa_topk",
     "csa_index",
     "csa_index_dtype",
+    "csa_staging",
     "csa_keep",
     "block_size",
     "chunk_size",
@@ -71,6 +73,7 @@ OPTIONAL_KNOBS = (
     "csa_topk",
     "csa_index",
     "csa_index_dtype",
+    "csa_staging",
     "csa_keep",
 )
 
@@ -256,6 +259,12 @@ class SearchConfig:
             f"one of {', '.join(CSA_INDEX_DTYPES)}",
         )
         _check_each(
+            "csa_staging",
+            k["csa_staging"],
+            CSA_STAGINGS.__contains__,
+            f"one of {', '.join(CSA_STAGINGS)}",
+        )
+        _check_each(
             "csa_keep",
             k["csa_keep"],
             lambda f: (
@@ -358,6 +367,8 @@ class SearchSpace:
         if knobs["csa_ratio"] == 1:
             knobs["csa_topk"] = 0  # nothing compressed, nothing to select
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
+        if not knobs["csa_host"]:
+            knobs["csa_staging"] = _DEFAULTS.csa_staging  # only selection fetches into staging
         if not _can_keep(knobs):
             knobs["csa_keep"] = 0.0
         if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
@@ -409,6 +420,7 @@ class SearchSpace:
             "int4-k-channel-rotated": [("int4", "int4")] * len(self.groups),
             "fp8-w256-top48-host-no-summaries": [("fp8", "fp8")] * len(self.groups),
             "int4-k-channel-w256-top80-host-int4-index": [("int4", "int4")] * len(self.groups),
+            "int4-k-channel-w256-top80-streamed-int4-index": [("int4", "int4")] * len(self.groups),
         }
         own_knobs = {
             "int4-k-channel-rotated": {
@@ -434,6 +446,12 @@ class SearchSpace:
                 "csa_summary": NO_SUMMARY,
                 "csa_index_dtype": "int4",
             },
+        }
+        # The same selection with one staging pool the layers share: about a third of the
+        # device bytes, every layer's choice fetched every step.
+        own_knobs["int4-k-channel-w256-top80-streamed-int4-index"] = {
+            **own_knobs["int4-k-channel-w256-top80-host-int4-index"],
+            "csa_staging": "streamed",
         }
         starts = {}
         for name, layout in layouts.items():
@@ -492,7 +510,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             csa_keep=0.0,
         )
     if not policy.selects:
-        changes.update(csa_index=_DEFAULTS.csa_index)
+        changes.update(csa_index=_DEFAULTS.csa_index, csa_staging=_DEFAULTS.csa_staging)
     if not policy.pooled_index:
         changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)
     if policy.compressed and not policy.summarises:
