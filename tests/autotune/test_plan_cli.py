@@ -68,6 +68,37 @@ def test_compare_lists_the_standard_alternatives_in_order_of_memory():
     assert rows["fp4 g16 + csa4"]["max_num_seqs"] > rows["fp16"]["max_num_seqs"]
 
 
+def test_a_selection_policy_is_compared_with_plain_alternatives():
+    """Selection, streamed staging and per-channel keys are the user's, not the alternatives':
+    each alternative is its plain format (fp16's bytes by the formula), none of them dropped."""
+    plan = plan_json(
+        "model=llama-3.1-8b",
+        "serve.max_model_len=8192",
+        "policy.k_dtype=int4",
+        "policy.v_dtype=int4",
+        "policy.group_size=64",
+        "policy.k_scale_axis=channel",
+        "policy.csa_ratio=2",
+        "policy.csa_window=256",
+        "policy.csa_topk=80",
+        "policy.csa_host=true",
+        "policy.csa_summary=none",
+        "policy.csa_index_dtype=int4",
+        "policy.csa_staging=streamed",
+    )
+    rows = {row["name"]: row for row in plan["compare"]}
+    assert list(rows) == ["fp16", "fp8", "fp4 g16", "fp8 + csa2", "fp8 + csa4", "fp4 g16 + csa4"]
+    assert rows["fp16"]["kv_bytes_per_sequence"] == 32 * 8 * 128 * 2 * 2 * 8192
+    for row in rows.values():
+        policy = row["policy"]
+        assert (policy["csa_topk"], policy["csa_host"], policy["k_scale_axis"]) == (
+            0,
+            False,
+            "token",
+        )
+    assert plan["kv_bytes_per_sequence"] < rows["fp4 g16 + csa4"]["kv_bytes_per_sequence"]
+
+
 def test_integer_formats_and_rotation_are_planned_with_exact_bytes():
     overrides = (
         "model=llama-3.1-8b",

@@ -47,6 +47,27 @@ ALTERNATIVES: dict[str, dict[str, Any]] = {
     },
 }
 
+# What every alternative takes from the defaults instead of the user's policy: each is a plain
+# format (no per-layer pairs, key-specific scales, fp16 recent or boundary layers) that pools
+# older tokens at most; selection and importance keeping would make most of them invalid
+# (selection needs compression) and the rest not standard. The rotation and the serving knobs
+# stay the user's.
+_PLAIN = KVPolicy()
+PLAIN_FIELDS = (
+    "layer_dtypes",
+    "k_group_size",
+    "k_scale_axis",
+    "recent_unquantized",
+    "boundary_layers",
+    "csa_summary",
+    "csa_topk",
+    "csa_index",
+    "csa_index_dtype",
+    "csa_host",
+    "csa_staging",
+    "csa_keep",
+)
+
 
 def kv_budget_bytes(arch: ModelArch, device: DeviceSpec, serve: ServeSettings) -> int:
     """Memory x utilization - weights - activation reserve (bytes, may be negative)."""
@@ -221,7 +242,8 @@ def build_plan(
     compare = []
     for name, changes in ALTERNATIVES.items():
         try:
-            alternative = policy.replace(layer_dtypes=None, **changes)
+            plain = {name: getattr(_PLAIN, name) for name in PLAIN_FIELDS}
+            alternative = policy.replace(**plain, **changes)
             compare.append(capacity_row(name, arch, alternative, device, serve, budget))
         except ConfigError:
             continue  # this model cannot hold the alternative (e.g. group 16 on odd head_dim)

@@ -30,7 +30,7 @@ def _policy_label(row: CapacityRow) -> str:
     pooled = f"csa={p.csa_ratio}" if p.summarises else "csa without summaries"
     csa = f" {pooled} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
     if p.selects:
-        csa += f" top{p.csa_topk} from host"
+        csa += f" top{p.csa_topk} from host" + (", streamed" if p.streams_staging else "")
         dtype = f"{p.csa_index_dtype} " if p.separate_index else ""
         csa += f" ({dtype}{p.csa_index} index)"
     if p.keeps:
