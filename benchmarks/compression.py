@@ -6,14 +6,17 @@ context, retention on the trial suite and on held-out seeds, greedy exact match 
 multikey (absolute, fp16's beside), greedy generation of the pass key in a --needle-context
 haystack (needle_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
 decode step fetches from the host tier, and the decode step time relative to fp16 measured in
-the same run, fp16's and the row's steps taken in turns (torch path, --decode-batch sequences
-of --decode-context tokens each decoding together; 1 by default).
+the same run, fp16's and the row's steps taken in turns (--decode-batch sequences of
+--decode-context tokens each decoding together, 1 by default; on the torch path on the CPU by
+default, or on --backend and --device, e.g. triton on cuda, where the host tier is pinned host
+memory and fetches are real copies; the accuracy suites run as their presets say).
 Accuracy results are cached like the validity benchmark's (content-keyed), so a rerun only
 re-times decode; --decode-only skips them (bytes, fetches and timing alone).
 
     .venv/bin/python -m benchmarks.compression [--cheap quick] [--heldout heldout]
         [--heldout-seeds 1] [--policies "..."] [--decode-context 4096] [--needle-context 4096]
-        [--needle-docs 8] [--decode-batch 1] [--threads 0] [--decode-only] [--markdown]
+        [--needle-docs 8] [--decode-batch 1] [--threads 0] [--backend torch] [--device cpu]
+        [--decode-only] [--markdown]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from kvtune.autotune.cache import JsonCache, default_cache_folder
 from kvtune.autotune.evaluation import EvalSuite, load_suite
 from kvtune.runtime import LLM
 from kvtune.runtime.arch import arch_from_folder
+from kvtune.runtime.backends import BACKENDS
 from kvtune.runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -222,6 +226,8 @@ def main() -> None:
         default=0,
         help="torch CPU threads (0 = torch's default); the whole run, fp16 included",
     )
+    parser.add_argument("--backend", default="torch", choices=sorted(BACKENDS))
+    parser.add_argument("--device", default="cpu", help="where decode is timed")
     parser.add_argument("--markdown", action="store_true")
     parser.add_argument(
         "--decode-only", action="store_true", help="bytes and decode timing, no accuracy suites"
@@ -248,7 +254,14 @@ def main() -> None:
     console = Console()
     cache = JsonCache(default_cache_folder("eval-validity"))
     length = args.decode_context + DECODE_HEADROOM + 8
-    base = LLM(folder, policy=FP16, max_model_len=length, max_num_seqs=args.decode_batch)
+    base = LLM(
+        folder,
+        policy=FP16,
+        backend=args.backend,
+        device=args.device,
+        max_model_len=length,
+        max_num_seqs=args.decode_batch,
+    )
     rows = []
     for name in names:
         policy = POLICIES[name]
@@ -291,6 +304,8 @@ def main() -> None:
     decode_at = f"{args.decode_context}" + (
         f" x{args.decode_batch}" if args.decode_batch > 1 else ""
     )
+    if (args.backend, args.device) != ("torch", "cpu"):
+        decode_at += f" ({args.backend}, {args.device})"
     print_table(rows, cheap.name, contexts, decode_at, args.markdown, console)
 
 

@@ -10,7 +10,9 @@
 # the engine tests on CUDA; tf32 vs ieee dots (kernels and engine logits,
 # benchmarks/dot_precision.py); the decode benchmark (benchmarks/kernels.py); serving on the
 # embedded model; retention of one policy under `triton` vs `triton_tf32` (kvtune evaluate);
-# a 6-trial study on runtime.backend=triton runtime.device=cuda.
+# the 4K decode step of CSA selection against fp16, the host tier in pinned memory, resident
+# and streamed staging (benchmarks/compression.py); a 6-trial study on runtime.backend=triton
+# runtime.device=cuda.
 #
 # What travels (64 MiB a call, working tree included; .gpu_carry/ is git-ignored and what a call
 # carries stays on the device while it is warm, ~30 s between calls). Prepare here with
@@ -22,7 +24,7 @@
 #   3. carry [".gpu_carry/model-2", ".gpu_carry/wheels/model"]     bash benchmarks/gpu_check.sh
 # (timeout_s 120, 120, 480). Calls 2-3 alone give everything but retention and the study;
 # call 3 alone gives the tests and kernel/engine measurements on random-weight models.
-# Results: $OUT/{summary,env,tests,dot_precision,kernels,serving,study}.txt (7 files).
+# Results: $OUT/{summary,env,tests,dot_precision,kernels,serving,compression,study}.txt (8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:---full}
@@ -177,6 +179,9 @@ if ! have optuna || ! have hydra || ! have mlflow || ! have lm_eval; then
     note "retention, study: skipped, optuna / hydra / mlflow / lm-eval missing (call 1's wheels)"
     exit 0
 fi
+# The 4-bit host-tier policies of issue 13, resident and streamed staging, 8 sequences at 4K.
+selection="int4 K channel / V rotated w256 + top80 host no summaries int4 index"
+selection+=",int4 K channel / V rotated w256 + top80 streamed no summaries int4 index"
 workdir=$(mktemp -d)
 policy=(policy.k_dtype=fp8 policy.v_dtype=fp4 policy.group_size=16 policy.scale_dtype=e4m3)
 study=(study.name=gpu-check study.n_trials=6 runtime.backend=triton runtime.device=cuda
@@ -185,11 +190,15 @@ if [ "$mode" = --smoke ]; then # compose the configs only: the runs take minutes
     part "retention triton_tf32 (config)" 30 study.txt "${kvtune[@]}" evaluate "${policy[@]}" \
         eval.backend=triton_tf32 eval.device=cuda format=json --cfg job
     part "study (config)" 30 study.txt "${kvtune[@]}" tune "${study[@]}" --cfg job
+    part "selection decode (smoke)" 60 compression.txt "$python" -m benchmarks.compression \
+        --decode-only --markdown --decode-context 512 --decode-steps 2 --policies "$selection"
     exit 0
 fi
 for backend in triton triton_tf32; do
     part "retention $backend" 80 study.txt "${kvtune[@]}" evaluate "${policy[@]}" \
         eval.backend=$backend eval.device=cuda format=json
 done
+part "selection decode" 90 compression.txt "$python" -m benchmarks.compression --decode-only \
+    --markdown --backend triton --device cuda --decode-batch 8 --policies "$selection"
 (cd "$workdir" && part "study" 300 study.txt "${kvtune[@]}" tune "${study[@]}")
 tail -n 40 "$workdir"/studies/gpu-check/trials.log >>"$out/study.txt" 2>/dev/null
