@@ -13,7 +13,12 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.pool import KVPool, write_vectors_ref
-from kvtune.kernels.quantize import format_switches, quantize_store_tile, vector_tiles
+from kvtune.kernels.quantize import (
+    EXACT_ARITHMETIC,
+    format_switches,
+    quantize_store_tile,
+    vector_tiles,
+)
 
 
 @triton.jit
@@ -155,6 +160,7 @@ def write_kv(
         BLOCK_D=block_d,
         **format_switches(k_pool.fmt, "K_"),
         **format_switches(v_pool.fmt, "V_"),
+        **EXACT_ARITHMETIC,
     )
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from kvtune.kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
 from kvtune.kernels.quantize import (
+    EXACT_ARITHMETIC,
     format_switches,
     load_dequant_tile,
     quantize_store_tile,
@@ -264,6 +265,7 @@ def compress_blocks(
         BLOCK_D=block_d,
         **format_switches(src_pool.fmt, "SRC_"),
         **format_switches(dst_pool.fmt, "DST_"),
+        **EXACT_ARITHMETIC,
     )
 
 
@@ -288,6 +290,7 @@ def _copy_token_groups(
         BLOCK_D=triton.next_power_of_2(src_pool.head_dim),
         **format_switches(src_pool.fmt, "SRC_"),
         **format_switches(dst_pool.fmt, "DST_"),
+        **EXACT_ARITHMETIC,
     )
 
 

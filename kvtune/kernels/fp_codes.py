@@ -174,19 +174,27 @@ def round_to_bf16(x):
 def _decode_ref(
     code: torch.Tensor, mantissa_bits: int, exponent_bits: int, bias: int, has_nan: bool
 ) -> torch.Tensor:
-    """Textbook decoding: (-1)^s * 2^(e - bias) * (1 + m / 2^M), subnormal when e == 0."""
+    """Textbook decoding: (-1)^s * 2^(e - bias) * (1 + m / 2^M), subnormal when e == 0.
+
+    Powers of two come from a table of exact Python floats (a device's exp2 need not be exact),
+    and the sign is set as a bit: CUDA turns a NaN it converts or negates into the canonical
+    positive NaN, and the sign bit is part of the code.
+    """
     code = code.to(torch.int64)
     sign = (code >> (exponent_bits + mantissa_bits)) & 1
     exponent = (code >> mantissa_bits) & ((1 << exponent_bits) - 1)
     mantissa = (code & ((1 << mantissa_bits) - 1)).to(torch.float64)
     fraction = mantissa / 2**mantissa_bits
-    normal = torch.exp2((exponent - bias).to(torch.float64)) * (1 + fraction)
+    powers = torch.tensor(
+        [2.0 ** (e - bias) for e in range(1 << exponent_bits)], dtype=torch.float64
+    ).to(code.device)
+    normal = powers[exponent] * (1 + fraction)
     subnormal = 2.0 ** (1 - bias) * fraction
-    magnitude = torch.where(exponent == 0, subnormal, normal)
+    magnitude = torch.where(exponent == 0, subnormal, normal).to(torch.float32)
     if has_nan:
         all_ones = (1 << (exponent_bits + mantissa_bits)) - 1
         magnitude = torch.where((code & all_ones) == all_ones, torch.nan, magnitude)
-    return torch.where(sign == 1, -magnitude, magnitude).to(torch.float32)
+    return (magnitude.view(torch.int32) | (sign << 31).to(torch.int32)).view(torch.float32)
 
 
 def _encode_ref(x: torch.Tensor, magnitudes: torch.Tensor, sign_bit: int) -> torch.Tensor:

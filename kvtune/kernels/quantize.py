@@ -111,6 +111,13 @@ _HALF_UP_SCALE_FLOOR = tl.constexpr(HALF_UP_SCALE_FLOOR)
 TILE_ELEMENTS = 4096
 
 
+# Launch options of every kernel that stores codes or scales. Compiled code contracts x * y + z
+# into one FMA (one rounding) where the interpreter and the torch references round twice, so a
+# value on a rounding boundary would get a neighbouring code on the GPU alone; stored bytes are
+# the format's definition and must not depend on the device.
+EXACT_ARITHMETIC = {"enable_fp_fusion": False}
+
+
 def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
@@ -625,6 +632,7 @@ def quantize(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         **format_switches(fmt),
+        **EXACT_ARITHMETIC,
     )
     return codes, scales
 
@@ -657,6 +665,7 @@ def dequantize(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         **format_switches(fmt),
+        **EXACT_ARITHMETIC,
     )
     return out
 

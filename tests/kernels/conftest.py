@@ -41,6 +41,17 @@ _IN_PLACE_DUNDERS = {"__setitem__"} | {
 }
 
 
+def _draws_from_host_generator(kwargs: dict) -> bool:
+    """A draw from a CPU generator (`torch.bernoulli(p, generator=...)`) runs on the CPU, as it
+    does outside the tests; on the GPU it would fail or give other numbers."""
+    generator = kwargs.get("generator")
+    return isinstance(generator, torch.Generator) and generator.device.type == "cpu"
+
+
+def _to_host(value):
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
 def _in_place(func) -> bool:
     """`add_`, `fill_`, `__setitem__`, `__iadd__`...: their first argument is the result."""
     name = getattr(func, "__name__", "")
@@ -68,6 +79,9 @@ class OnDevice(TorchFunctionMode):
             return func(args[0].cpu(), *args[1:], **kwargs)
         if func in _KEEP_HOST:
             return func(*args, **kwargs)
+        if _draws_from_host_generator(kwargs):
+            drawn = func(*tree_map(_to_host, args), **tree_map(_to_host, kwargs))
+            return tree_map(self._place, drawn)
         if _in_place(func) and args:
             args = (args[0], *tree_map(self._place, args[1:]))
         else:

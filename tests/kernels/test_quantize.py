@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ import triton
 
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.quantize import (
+    EXACT_ARITHMETIC,
     dequantize,
     dequantize_ref,
     format_switches,
@@ -261,7 +263,9 @@ def test_rejects_bad_arguments() -> None:
         dequantize(codes, None, KVFormat("fp8", 32), None, 96)
 
 
-def _compile_for_sm90(kernel, arg_types: dict[str, str], constexprs: dict[str, object]) -> None:
+def _compile_for_sm90(
+    kernel, arg_types: dict[str, str], constexprs: dict[str, object], options: dict | None = None
+):
     """Compile one kernel to an sm_90 cubin (no GPU needed); unlisted arguments are int32."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -272,7 +276,24 @@ def _compile_for_sm90(kernel, arg_types: dict[str, str], constexprs: dict[str, o
     }
     indexed = {(names.index(name),): value for name, value in constexprs.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=indexed)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+# PTX that rounds otherwise than the interpreter and the torch references: a contracted
+# multiply-add (one rounding for two operations), approximate division, reciprocal, square root.
+INEXACT_PTX = re.compile(r"\bfma\.rn\.f32|\bdiv\.(?:full|approx)\.|\b(?:rcp|sqrt)\.approx\.")
+
+
+def _inexact_instructions(compiled) -> list[str]:
+    return sorted({match.group(0) for match in INEXACT_PTX.finditer(compiled.asm["ptx"])})
+
+
+def _compile_storage_kernel(kernel, arg_types: dict[str, str], constexprs: dict) -> None:
+    """Compile a kernel that stores codes as it is launched (EXACT_ARITHMETIC): on the GPU its
+    stored bytes must be those of the references, so its PTX rounds every operation alone."""
+    compiled = _compile_for_sm90(kernel, arg_types, constexprs, EXACT_ARITHMETIC)
+    inexact = _inexact_instructions(compiled)
+    assert not inexact, f"{kernel.fn.__name__} with {constexprs}: {inexact}"
 
 
 SCALE_POINTERS = {"fp16": "*fp16", "e4m3": "*u8", "ue8m0": "*u8", "fp32": "*fp32"}
@@ -312,7 +333,12 @@ def compile_kernels_for_cuda() -> None:
         # Lloyd-Max codes cover one whole vector: a power-of-two head_dim.
         shape = {**tile, "HEAD_DIM": 128} if fmt.dtype.startswith("lloyd") else tile
         for kernel in (quantize_module._quantize_kernel, quantize_module._dequantize_kernel):
-            _compile_for_sm90(kernel, pointers, {**shape, **format_switches(fmt)})
+            _compile_storage_kernel(kernel, pointers, {**shape, **format_switches(fmt)})
+    # The check sees contraction: compiled with the default options, the same code has FMAs.
+    zero_in_scale = {**tile, **format_switches(KVFormat("int4_zp_in_scale", 32, "fp32"))}
+    pointers = {**pointers, "codes_ptr": "*u8", "scales_ptr": "*fp32"}
+    fused = _compile_for_sm90(quantize_module._quantize_kernel, pointers, zero_in_scale)
+    assert _inexact_instructions(fused) == ["fma.rn.f32"], _inexact_instructions(fused)
     first, second = KVFormat("fp4", 16, "e4m3"), KVFormat("fp8", 32)
     pool_pointers = {"codes_ptr": "*u8", "tensor_scale_ptr": "*fp32"}
     pointers = {
@@ -324,7 +350,9 @@ def compile_kernels_for_cuda() -> None:
         **{f"{which}_{name}": kind for which in "kv" for name, kind in pool_pointers.items()},
     }
     switches = {**format_switches(first, "K_"), **format_switches(second, "V_")}
-    _compile_for_sm90(cache_write._write_kv_kernel, pointers, {"NUM_HEADS": 8, **tile, **switches})
+    _compile_storage_kernel(
+        cache_write._write_kv_kernel, pointers, {"NUM_HEADS": 8, **tile, **switches}
+    )
     pointers = {
         "src_block_ids_ptr": "*i32",
         "dst_slots_ptr": "*i64",
@@ -338,9 +366,10 @@ def compile_kernels_for_cuda() -> None:
         },
     }
     switches = {**format_switches(first, "SRC_"), **format_switches(second, "DST_")}
-    for align in (False, True):  # keys pooled as cached, or turned as if before RoPE
-        constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, "ALIGN": align}
-        _compile_for_sm90(compress._compress_kernel, pointers, {**constexprs, **tile, **switches})
+    constexprs = {"NUM_HEADS": 8, "BLOCK_SIZE": 16, "RATIO": 4, **tile, **switches}
+    _compile_storage_kernel(compress._compress_kernel, pointers, {**constexprs, "ALIGN": False})
+    # Keys turned as if before RoPE: the turn is an fp32 tl.dot, FMAs by construction.
+    _compile_for_sm90(compress._compress_kernel, pointers, {**constexprs, "ALIGN": True})
     compile_attention_for_cuda()
 
 
