@@ -9,8 +9,8 @@
 # part alone, with a line in summary.txt; what does not fit the budget is skipped last):
 # environment; kernel tests compiled on CUDA (KVTUNE_TEST_DEVICE=cuda) beside the engine tests
 # on CUDA; the 4K decode step of CSA selection against fp16, the host tier in pinned memory,
-# resident and streamed staging (benchmarks/compression.py); the decode benchmark
-# (benchmarks/kernels.py); retention of one policy under `triton_tf32` and `triton` (kvtune
+# resident and streamed staging (benchmarks/compression.py); where quantized decode spends its
+# time (benchmarks/decode_stages.py) and the decode benchmark (benchmarks/kernels.py); retention of one policy under `triton_tf32` and `triton` (kvtune
 # evaluate); tf32 vs ieee dots (kernels and engine logits, benchmarks/dot_precision.py);
 # serving on the embedded model; a 6-trial study on runtime.backend=triton_tf32
 # runtime.device=cuda.
@@ -184,6 +184,8 @@ if [ "$mode" = --smoke ]; then
         "$python" -m benchmarks.dot_precision --device cpu --smoke --engine
     part "decode benchmark (cpu)" 30 kernels.txt "$python" -m benchmarks.kernels --device cpu \
         --smoke
+    part "decode stages (smoke)" 60 kernels.txt "$python" -m benchmarks.decode_stages \
+        --device cpu --smoke
     ((measured)) || exit 0
     part "selection decode (smoke)" 60 compression.txt "$python" -m benchmarks.compression \
         --decode-only --markdown --decode-context 512 --decode-steps 2 --policies "$selection"
@@ -200,6 +202,7 @@ if ((measured)); then
         --decode-only --markdown --backend triton_tf32 --device cuda --decode-batch 8 \
         --policies "$selection"
 fi
+part "decode stages" 45 kernels.txt "$python" -m benchmarks.decode_stages --device cuda
 part "decode benchmark" 80 kernels.txt "$python" -m benchmarks.kernels --device cuda
 if ((measured)); then
     for backend in triton_tf32 triton; do
