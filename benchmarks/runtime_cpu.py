@@ -1,9 +1,12 @@
 """kvtune's runtime against transformers on the same model, dtype and thread count.
 
-Decode tokens/s at batch 1 and 8 for contexts 512 and 2048, and prefill tokens/s, for the
-kvtune engine (torch backend, `auto` KV cache, chunked prefill) and for transformers'
-`generate` (dynamic cache, SDPA). Timings are medians of --repeats runs in this one process;
-the table reports kvtune / transformers ratios (target >= 1.0).
+Prefill and decode tokens/s at batch 1 and 8 for contexts 512 and 2048, for the kvtune engine
+(torch backend, `auto` KV cache, chunked prefill) and for transformers (dynamic cache, SDPA).
+Prefill: `generate` of one token. Decode: `--steps` steps of the whole batch timed on their
+own after its prefill (kvtune: engine steps with every sequence decoding; transformers:
+single-token forwards on its cache, the loop inside `generate`). Timings are medians of
+--repeats runs in this one process; the table reports kvtune / transformers ratios (target
+>= 1.0).
 
     .venv/bin/python -m benchmarks.runtime_cpu [--quick] [--device cuda]
 """
@@ -23,6 +26,7 @@ from kvtune.runtime import LLM, KVPolicy
 from kvtune.runtime.model_source import resolve_model
 
 MODEL = "smollm2-135m"
+DECODE_HEADROOM = 32  # tokens a sequence may decode beyond the timed steps
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -39,48 +43,67 @@ def median_seconds(run, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def kvtune_times(llm: LLM, batch_prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
-    """(seconds for prefill + first token, seconds for prefill + new_tokens)."""
+def kvtune_times(llm: LLM, batch_prompts, steps: int, repeats: int) -> tuple[float, float]:
+    """(seconds of prefill + first token, seconds of `steps` decode steps of the whole batch)."""
 
-    def generate(n: int):
-        def run():
-            results = llm.generate(batch_prompts, max_new_tokens=n)
-            assert all(len(r.token_ids) == n for r in results), "stopped early"
+    def prefill():
+        results = llm.generate(batch_prompts, max_new_tokens=1)
+        assert all(len(r.token_ids) == 1 for r in results), "stopped early"
 
-        return run
+    def decode() -> float:
+        engine = llm.engine
+        for prompt in batch_prompts:  # headroom: early sequences decode while others prefill
+            engine.add_request(prompt, max_new_tokens=steps + DECODE_HEADROOM)
+        while sum(bool(seq.output_ids) for seq in engine.scheduler.running) < len(batch_prompts):
+            engine.step()
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - started
+        for seq in list(engine.scheduler.running):
+            engine.scheduler.finish(seq)
+        return elapsed
 
-    return median_seconds(generate(1), repeats), median_seconds(generate(new_tokens), repeats)
+    return median_seconds(prefill, repeats), statistics.median(decode() for _ in range(repeats))
 
 
-def transformers_times(model, batch_prompts, new_tokens: int, repeats: int) -> tuple[float, float]:
+def transformers_times(model, batch_prompts, steps: int, repeats: int) -> tuple[float, float]:
+    """(seconds of `generate` for one token, seconds of `steps` single-token forwards on its
+    dynamic cache: the decode loop of `generate` without its per-step bookkeeping)."""
     ids = torch.tensor(batch_prompts, device=model.device)
     mask = torch.ones_like(ids)
 
-    def generate(n: int):
-        def run():
-            with torch.no_grad():
-                model.generate(
-                    ids,
-                    attention_mask=mask,
-                    max_new_tokens=n,
-                    min_new_tokens=n,
-                    do_sample=False,
-                    pad_token_id=0,
-                )
+    def prefill():
+        with torch.no_grad():
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0
+            )
 
-        return run
+    @torch.no_grad()
+    def decode() -> float:
+        out = model(ids, attention_mask=mask, use_cache=True)
+        cache, attention_mask = out.past_key_values, mask
+        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
+        started = time.perf_counter()
+        for _ in range(steps):
+            attention_mask = torch.cat((attention_mask, torch.ones_like(next_ids)), dim=1)
+            out = model(
+                next_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True
+            )
+            cache, next_ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - started
 
-    return median_seconds(generate(1), repeats), median_seconds(generate(new_tokens), repeats)
+    return median_seconds(prefill, repeats), statistics.median(decode() for _ in range(repeats))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
-    parser.add_argument("--new-tokens", type=int, default=33)
+    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    new_tokens, repeats = (9, 1) if args.quick else (args.new_tokens, args.repeats)
+    steps, repeats = (8, 1) if args.quick else (args.steps, args.repeats)
     shapes = [(1, 512), (8, 512), (1, 2048), (8, 2048)]
 
     folder = resolve_model(MODEL)
@@ -89,13 +112,13 @@ def main() -> None:
         MODEL,
         policy=KVPolicy("auto", "auto"),
         device=args.device,
-        max_model_len=2048 + 64,
+        max_model_len=2048 + steps + DECODE_HEADROOM,
         max_num_seqs=8,
         max_num_batched_tokens=2048,
     )
     table = Table(
         title=f"kvtune vs transformers, {MODEL}, fp32, {args.device}, "
-        f"{torch.get_num_threads()} threads, {new_tokens} new tokens, median of {repeats}"
+        f"{torch.get_num_threads()} threads, {steps} decode steps, median of {repeats}"
     )
     for column in (
         "batch",
@@ -110,10 +133,10 @@ def main() -> None:
         table.add_column(column, justify="right")
     for batch, context in shapes:
         batch_prompts = prompts(batch, context, hf.config.vocab_size)
-        ours = kvtune_times(llm, batch_prompts, new_tokens, repeats)
-        theirs = transformers_times(hf, batch_prompts, new_tokens, repeats)
+        ours = kvtune_times(llm, batch_prompts, steps, repeats)
+        theirs = transformers_times(hf, batch_prompts, steps, repeats)
         prefill = [batch * context / t[0] for t in (ours, theirs)]
-        decode = [batch * (new_tokens - 1) / (t[1] - t[0]) for t in (ours, theirs)]
+        decode = [batch * steps / t[1] for t in (ours, theirs)]
         table.add_row(
             str(batch),
             str(context),
