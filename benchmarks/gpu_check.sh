@@ -162,11 +162,11 @@ fi
 # --- embedded model: issue 13's selection decode, retention A/B ----------------------------------
 # On the GPU, fp32 `ieee` dots run on the CUDA cores, 20-130x slower than tf32 in attention
 # (RESULTS.md, 2026-12-04), so the timed parts use `triton_tf32`; retention compares both.
-measured=1
+model=1 measured=1 # measured: the model and the study's packages (selection, retention, study)
 if ! have gguf || ! model_ready; then
     note "selection decode, retention, serving, study: skipped, the embedded model is not" \
         "installed (model shards and the gguf wheel must arrive first: see the top of this script)"
-    measured=0
+    model=0 measured=0
 elif ! have optuna || ! have hydra || ! have mlflow || ! have lm_eval; then
     note "selection decode, retention, study: skipped, optuna / hydra / mlflow / lm-eval missing" \
         "(call 1's wheels)"
@@ -186,11 +186,12 @@ if [ "$mode" = --smoke ]; then
         --smoke
     part "decode stages (smoke)" 60 kernels.txt "$python" -m benchmarks.decode_stages \
         --device cpu --smoke
+    ((model)) || exit 0
+    part "serving (smoke)" 60 serving.txt "$python" -m benchmarks.serving --device cpu \
+        --requests 1 --prompt-median 32 --output-median 4 --budget-sequences 12 --policies fp8
     ((measured)) || exit 0
     part "selection decode (smoke)" 60 compression.txt "$python" -m benchmarks.compression \
         --decode-only --markdown --decode-context 512 --decode-steps 2 --policies "$selection"
-    part "serving (smoke)" 60 serving.txt "$python" -m benchmarks.serving --device cpu \
-        --requests 1 --prompt-median 32 --output-median 4 --budget-sequences 12 --policies fp8
     # Compose the configs only: the runs take minutes on a CPU.
     part "retention triton_tf32 (config)" 30 study.txt "${kvtune[@]}" evaluate "${policy[@]}" \
         eval.backend=triton_tf32 eval.device=cuda format=json --cfg job
@@ -212,8 +213,9 @@ if ((measured)); then
 fi
 part "dot precision" 90 dot_precision.txt \
     "$python" -m benchmarks.dot_precision --device cuda --engine
-((measured)) || exit 0
+((model)) || exit 0
 # The trace replays in real time: 24 requests at 2/s, ~12 s a policy, 4 policies.
 part "serving" 100 serving.txt "$python" -m benchmarks.serving --device cuda
+((measured)) || exit 0
 (cd "$workdir" && part "study" 300 study.txt "${kvtune[@]}" tune "${study[@]}")
 tail -n 40 "$workdir"/studies/gpu-check/trials.log >>"$out/study.txt" 2>/dev/null
