@@ -7,10 +7,11 @@ fp16 paged kernel and over `F.scaled_dot_product_attention` on a dense fp16 cach
     python -m benchmarks.kernels                  # CUDA: full grid (batch 1/8/32, 4K/32K/128K)
     python -m benchmarks.kernels --smoke          # a small grid; on CPU, the torch paths
 
-On CPU (no CUDA, or --device cpu) the runtime's `torch` backend (all streams in one SDPA call)
-runs on a tiny grid instead of the Triton kernels (no interpreter), so that the table and its
-columns can be checked anywhere. Run benchmarks as
-modules (`python -m benchmarks.NAME`): as a script, this file's name would shadow `kernels`.
+On CUDA it times the `triton_tf32` backend's kernels. On CPU (no CUDA, or --device cpu) the
+runtime's `torch` backend (all streams in one SDPA call) runs on a tiny grid instead of the
+Triton kernels (no interpreter), so that the table and its columns can be checked anywhere.
+Run benchmarks as modules (`python -m benchmarks.NAME`): as a script, this file's name would
+shadow `kernels`.
 """
 
 import argparse
@@ -190,7 +191,7 @@ def measure_paged(
         for length, stride, bias in layout
     ]
     use_triton = device == "cuda"
-    attention = cache_ops("triton" if use_triton else "torch").attention
+    attention = cache_ops(backend_for(device)).attention
     q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device)
     scale = shape.head_dim**-0.5
     seq_starts = torch.arange(batch + 1, dtype=torch.int32, device=device)
@@ -289,9 +290,18 @@ def speedup(baseline: Row | None, row: Row) -> str:
     return f"{baseline.ms / row.ms:.2f}x"
 
 
+def backend_for(device: str) -> str:
+    """The kernels with tf32 dots on a GPU (fp32 `ieee` dots run on the CUDA cores there, 20-130x
+    slower: RESULTS.md, "Kernels"); the torch path on a CPU."""
+    return "triton_tf32" if device == "cuda" else "torch"
+
+
 def render(rows: list[Row], copy_gbps: float, device: str) -> Table:
     """The results table: one line a configuration, speed-ups against the same batch/context."""
-    table = Table(title=f"decode attention on {device} (device copy {copy_gbps:.1f} GB/s)")
+    title = (
+        f"decode attention, {backend_for(device)} on {device} (device copy {copy_gbps:.1f} GB/s)"
+    )
+    table = Table(title=title)
     for column in (
         "method",
         "batch",
