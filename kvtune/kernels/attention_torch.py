@@ -22,11 +22,12 @@ from kvtune.kernels.pool import read_blocks_ref
 
 
 def gather_stream(
-    stream: PagedStream, max_len: int, with_values: bool = True
+    stream: PagedStream, max_len: int, with_values: bool = True, zero_padding: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 K, V [B, L, Hkv, D] (rows past a sequence's length zeroed, so that garbage there
-    cannot turn a zero weight into NaN) and validity [B, L]. Without values (a reader that
-    scores keys only) V is K, and the V pool is not read."""
+    """fp32 K, V [B, L, Hkv, D] and validity [B, L]. Rows past a sequence's length hold
+    whatever their block holds, zeroed with zero_padding so that garbage there cannot turn a
+    zero weight into NaN (a reader that masks by validity itself may skip it). Without values
+    (a reader that scores keys only) V is K, and the V pool is not read."""
     device = stream.block_table.device
     num_blocks = -(-max_len // stream.block_size)
     # A host-tier pool may live off the device: read it where it is, attend on the device.
@@ -34,7 +35,7 @@ def gather_stream(
     keys = read_blocks_ref(stream.k, table)[:, :max_len].to(device)
     values = read_blocks_ref(stream.v, table)[:, :max_len].to(device) if with_values else keys
     valid = torch.arange(max_len, device=device)[None, :] < stream.lengths.long()[:, None]
-    if not bool(valid.all()):
+    if zero_padding and not bool(valid.all()):
         padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
         keys[padding] = 0.0  # in place: the gather made fresh tensors
         values[padding] = 0.0

@@ -8,7 +8,7 @@ vector of (slot, head) is codes.flatten(0, 1)[slot, head]. Kernels read and writ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,8 @@ class KVPool:
     scales: torch.Tensor | None
     fmt: KVFormat
     tensor_scale: torch.Tensor | None = None
+    # Built with no tensor scale (1): a reader may skip the multiply, which is exact either way.
+    unit_tensor_scale: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         codes = self.codes
@@ -63,6 +65,7 @@ class KVPool:
             self.scales.dtype != self.fmt.scale_torch_dtype or not self.scales.is_contiguous()
         ):
             raise ValueError(f"scales: must be contiguous {self.fmt.scale_torch_dtype}")
+        object.__setattr__(self, "unit_tensor_scale", self.tensor_scale is None)
         object.__setattr__(
             self, "tensor_scale", tensor_scale_or_one(self.tensor_scale, codes.device)
         )
@@ -120,7 +123,8 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     if rows > 1:  # a scale row serves `rows` consecutive tokens: broadcast it, not repeat it
         codes = codes.unflatten(2, (-1, rows))
         scales = scales.unsqueeze(3)
-    values = dequantize_ref(codes, scales, pool.fmt, pool.tensor_scale, pool.head_dim)
+    tensor_scale = None if pool.unit_tensor_scale else pool.tensor_scale
+    values = dequantize_ref(codes, scales, pool.fmt, tensor_scale, pool.head_dim)
     return values.flatten(1, values.dim() - 3)
 
 

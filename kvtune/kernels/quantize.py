@@ -824,8 +824,14 @@ def dequantize_ref(
     elif scales is not None:
         groups = head_dim // fmt.group_size
         scale = fmt.scale_format.decode(scales)
-        grouped = values.unflatten(-1, (groups, -1)) * scale[..., :groups, None]
-        if fmt.zero_point:  # in place: the product is a fresh tensor (20% faster on a CPU)
+        grouped = values.unflatten(-1, (groups, -1))
+        # In place where decoding made a fresh fp32 tensor (a new dtype is a new tensor): a
+        # decode step's multi-megabyte temporaries cost more than the arithmetic on a CPU.
+        if values.dtype == torch.float32 and codes.dtype != torch.float32:
+            grouped *= scale[..., :groups, None]
+        else:
+            grouped = grouped * scale[..., :groups, None]
+        if fmt.zero_point:
             grouped += scale[..., groups:, None]
         values = grouped.flatten(-2)
     if tensor_scale is not None:  # decoding made values a fresh fp32 tensor: scale it in place

@@ -38,6 +38,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -58,6 +59,21 @@ class Rotation:
 
     def to(self, device: torch.device | str) -> Rotation:
         return dataclasses.replace(self, matrix=self.matrix.to(device))
+
+    # The fp64 operands of the three products, built once: a decode step rotates every layer's
+    # queries, keys, values and outputs, and rebuilding them took about as long as the products.
+    # gain is a power of two, so R / gain is exact and the products keep their bits.
+    @cached_property
+    def forward64(self) -> torch.Tensor:
+        return self.matrix.double()
+
+    @cached_property
+    def query64(self) -> torch.Tensor:
+        return self.matrix.double() / self.gain
+
+    @cached_property
+    def inverse64(self) -> torch.Tensor:
+        return (self.matrix.double() / self.gain).T
 
 
 def is_power_of_two(n: int) -> bool:
@@ -141,16 +157,16 @@ def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     rotates to the same bits whatever batch it comes in (an fp32 matmul's summation order
     depends on the batch shape, and a flipped code would make a prefill chunk differ from
     decode)."""
-    rotated = (x.double() @ rotation.matrix.double()).float()
+    rotated = (x.double() @ rotation.forward64).float()
     return rotated.to(x.dtype).float() if rotation.round_to_input else rotated
 
 
 def rotate_queries(q: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """Queries q [..., D] @ R / gain, fp32 (via fp64): their dot products with rotated keys
     equal the unrotated ones."""
-    return (q.double() @ rotation.matrix.double() / rotation.gain).float()
+    return (q.double() @ rotation.query64).float()
 
 
 def unrotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """Undo `rotate` on attention outputs: x [..., D] @ R^T / gain, fp32 (via fp64)."""
-    return (x.double() @ rotation.matrix.double().T / rotation.gain).float()
+    return (x.double() @ rotation.inverse64).float()

@@ -74,18 +74,34 @@ def write_key_means(
     write_vectors_ref(means, slots, _index_keys(keys, blocks, rotation).mean(dim=1))
 
 
+def _head_products(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """[S, Hkv, C * g, L]: every query of a KV head dotted with its keys. queries
+    [S, C, Hkv, g, D]; keys [S, L, Hkv, D]. One batched matmul: a decode step scores every
+    layer, where einsum's planning cost as much as the product."""
+    seqs, count, kv_heads, group, head_dim = queries.shape
+    rows = queries.permute(0, 2, 1, 3, 4).reshape(seqs, kv_heads, count * group, head_dim)
+    return rows @ keys.permute(0, 2, 3, 1)
+
+
+def _best_of_group(products: torch.Tensor, count: int) -> torch.Tensor:
+    """[S, C, Hkv, L]: the largest of each query's g query heads in _head_products' layout."""
+    seqs, kv_heads, _, length = products.shape
+    best = products.view(seqs, kv_heads, count, -1, length).amax(dim=3)
+    return best.transpose(1, 2)
+
+
 def _mean_scores(queries: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
     """[S, C, Hkv, L]: per KV head, the largest q.mean key over its query heads.
     queries [S, C, Hkv, g, D]; means [S, L, Hkv, D]."""
-    return torch.einsum("schgd,slhd->schgl", queries, means).amax(dim=3)
+    return _best_of_group(_head_products(queries, means), queries.shape[1])
 
 
 def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
     """[S, C, Hkv, L]: per KV head, the largest upper bound of q.k over its query heads.
     queries [S, C, Hkv, g, D]; hi, lo [S, L, Hkv, D]."""
-    upper = torch.einsum("schgd,slhd->schgl", queries.clamp(min=0), hi)
-    upper += torch.einsum("schgd,slhd->schgl", queries.clamp(max=0), lo)
-    return upper.amax(dim=3)
+    upper = _head_products(queries.clamp(min=0), hi)
+    upper += _head_products(queries.clamp(max=0), lo)
+    return _best_of_group(upper, queries.shape[1])
 
 
 def _summary_scores(
@@ -124,7 +140,11 @@ def select_blocks(
         return selected
     rule = _BlockRule(kind, vectors_per_block, topk, scale)
     if q_positions is None:  # decode: one query a sequence, every index vector visible
-        keys, values, valid = gather_stream(index, length, with_values=kind == "bounds")
+        # The rule masks rows past each length (scores there become -inf), so they need no
+        # zeroing.
+        keys, values, valid = gather_stream(
+            index, length, with_values=kind == "bounds", zero_padding=False
+        )
         chosen = rule.choose(_grouped_queries(q, keys.shape[2]), keys, values, valid[:, None])
         selected[:, :, : chosen.shape[-1]] = chosen[:, 0]
         return selected

@@ -121,6 +121,34 @@ def test_bounds_selection_matches_quest_rule(topk):
     assert torch.equal(chosen, _bounds_reference(q, stream, topk))
 
 
+def _with_nan_past_lengths(stream: PagedStream) -> PagedStream:
+    """The stream with NaN in every slot of its blocks past each sequence's length (what a
+    reused block may hold there), the K and V pools both."""
+    for seq, length in enumerate(stream.lengths.tolist()):
+        blocks = stream.block_table[seq].long()
+        slots = (blocks[:, None] * BLOCK + torch.arange(BLOCK)).flatten()[length:]
+        garbage = torch.full((len(slots), KV_HEADS, HEAD_DIM), math.nan)
+        write_vectors_ref(stream.k, slots, garbage)
+        write_vectors_ref(stream.v, slots, garbage)
+    return stream
+
+
+@pytest.mark.parametrize("kind", ["bounds", "means", "summaries"])
+def test_decode_selection_ignores_nan_past_each_length(kind):
+    """Rows past a sequence's length are not zeroed before scoring (decode skips that): NaN
+    there must neither be chosen nor change what is."""
+    generator = torch.Generator().manual_seed(20)
+    stream = _stream([24, 8, 13], generator)
+    q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=generator)
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    per_block = 2 if kind == "summaries" else 1
+    clean = select_blocks(q, None, starts, stream, per_block, 4, 0.25, kind)
+    dirty = select_blocks(q, None, starts, _with_nan_past_lengths(stream), per_block, 4, 0.25, kind)
+    assert torch.equal(dirty, clean)
+    if kind == "bounds":
+        assert torch.equal(dirty, _bounds_reference(q, stream, 4))
+
+
 def _means_reference(q, stream, topk) -> torch.Tensor:
     """Per query head the dot product of q with each block's stored mean key (K); a KV head
     takes its query heads' largest; the topk best blocks."""
