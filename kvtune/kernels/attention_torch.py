@@ -34,7 +34,7 @@ def gather_stream(
     table = stream.block_table[:, :num_blocks].clamp(min=0).to(stream.k.codes.device)
     keys = read_blocks_ref(stream.k, table)[:, :max_len].to(device)
     values = read_blocks_ref(stream.v, table)[:, :max_len].to(device) if with_values else keys
-    valid = torch.arange(max_len, device=device)[None, :] < stream.lengths.long()[:, None]
+    valid = torch.arange(max_len, device=device)[None, :] < stream.lengths[:, None]
     if zero_padding and not bool(valid.all()):
         padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
         keys[padding] = 0.0  # in place: the gather made fresh tensors
