@@ -75,25 +75,19 @@ def write_key_means(
 
 
 def _head_products(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """[S, Hkv, C * g, L]: every query of a KV head dotted with its keys. queries
+    """[S, C, Hkv, g, L]: every query head dotted with its KV head's keys. queries
     [S, C, Hkv, g, D]; keys [S, L, Hkv, D]. One batched matmul: a decode step scores every
     layer, where einsum's planning cost as much as the product."""
     seqs, count, kv_heads, group, head_dim = queries.shape
     rows = queries.permute(0, 2, 1, 3, 4).reshape(seqs, kv_heads, count * group, head_dim)
-    return rows @ keys.permute(0, 2, 3, 1)
-
-
-def _best_of_group(products: torch.Tensor, count: int) -> torch.Tensor:
-    """[S, C, Hkv, L]: the largest of each query's g query heads in _head_products' layout."""
-    seqs, kv_heads, _, length = products.shape
-    best = products.view(seqs, kv_heads, count, -1, length).amax(dim=3)
-    return best.transpose(1, 2)
+    products = rows @ keys.permute(0, 2, 3, 1)
+    return products.view(seqs, kv_heads, count, group, -1).transpose(1, 2)
 
 
 def _mean_scores(queries: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
     """[S, C, Hkv, L]: per KV head, the largest q.mean key over its query heads.
     queries [S, C, Hkv, g, D]; means [S, L, Hkv, D]."""
-    return _best_of_group(_head_products(queries, means), queries.shape[1])
+    return _head_products(queries, means).amax(dim=3)
 
 
 def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -101,14 +95,14 @@ def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> 
     queries [S, C, Hkv, g, D]; hi, lo [S, L, Hkv, D]."""
     upper = _head_products(queries.clamp(min=0), hi)
     upper += _head_products(queries.clamp(max=0), lo)
-    return _best_of_group(upper, queries.shape[1])
+    return upper.amax(dim=3)
 
 
 def _summary_scores(
     queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """[S, C, Hkv, L]: per KV head, the attention its query heads give each summary."""
-    logits = torch.einsum("schgd,slhd->schgl", queries, keys) * scale
+    logits = _head_products(queries, keys) * scale
     logits = logits.masked_fill(~visible[:, :, None, None, :], -math.inf)
     return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=3)
 
