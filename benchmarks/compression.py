@@ -27,6 +27,7 @@ import time
 import torch
 from rich.console import Console
 
+from benchmarks.decoding import finish_running, start_decoding
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.formats import FP16, bytes_ratio
 from benchmarks.tables import print_rows
@@ -188,10 +189,7 @@ def decode_timing(
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20_000, (context,), generator=generator) for _ in range(batch)]
     for engine in engines:
-        for prompt in prompts:
-            engine.add_request(prompt.tolist(), max_new_tokens=DECODE_HEADROOM)
-        while sum(bool(s.output_ids) for s in engine.scheduler.running) < batch:
-            engine.step()  # prefill every prompt
+        start_decoding(engine, [prompt.tolist() for prompt in prompts], DECODE_HEADROOM)
     before = llm.engine.stats()["kv_fetched_bytes"]
     times: list[list[float]] = [[], []]
     for _ in range(steps):
@@ -201,8 +199,7 @@ def decode_timing(
             taken.append(time.perf_counter() - started)
     fetched = llm.engine.stats()["kv_fetched_bytes"] - before
     for engine in engines:
-        for seq in list(engine.scheduler.running):
-            engine.scheduler.finish(seq)
+        finish_running(engine)
     fp16_step, step = (sorted(taken)[len(taken) // 2] for taken in times)
     return fp16_step, step, fetched / steps / batch
 

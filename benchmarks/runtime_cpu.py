@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoModelForCausalLM
 
+from benchmarks.decoding import finish_running, start_decoding
 from kvtune.runtime import LLM, KVPolicy
 from kvtune.runtime.model_source import resolve_model
 
@@ -52,16 +53,12 @@ def kvtune_times(llm: LLM, batch_prompts, steps: int, repeats: int) -> tuple[flo
 
     def decode() -> float:
         engine = llm.engine
-        for prompt in batch_prompts:  # headroom: early sequences decode while others prefill
-            engine.add_request(prompt, max_new_tokens=steps + DECODE_HEADROOM)
-        while sum(bool(seq.output_ids) for seq in engine.scheduler.running) < len(batch_prompts):
-            engine.step()
+        start_decoding(engine, batch_prompts, steps + DECODE_HEADROOM)
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
         elapsed = time.perf_counter() - started
-        for seq in list(engine.scheduler.running):
-            engine.scheduler.finish(seq)
+        finish_running(engine)
         return elapsed
 
     return median_seconds(prefill, repeats), statistics.median(decode() for _ in range(repeats))
