@@ -50,6 +50,10 @@ K8V4 = KVPolicy("int8", "int4", group_size=64, rotation="hadamard")
 INT4_CHANNEL = KVPolicy("int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard")
 
 
+# SmolLM2's 30 layers: 80 blocks a query in layers 14-24, 24 in the others.
+RETRIEVAL_BAND = (24,) * 14 + (80,) * 11 + (24,) * 5
+
+
 def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
     return base.replace(csa_ratio=ratio, csa_window=window, csa_sinks=16, **changes)
 
@@ -142,6 +146,15 @@ POLICIES: dict[str, KVPolicy] = {
     ),
     "int4 K channel / V rotated w128 + top40 streamed no summaries int4 index": _int4_host(
         128, 40, staging="streamed"
+    ),
+    # Per-layer budgets (PyramidKV-style): the full 80 blocks only in layers 14-24, where
+    # selection most often reads a pass key's block (benchmarks.selection_recall), 24 in the
+    # others: 0.56 of the uniform budget's blocks fetched and attended, the same staging pool.
+    "int4 K channel / V rotated w256 + top80 in layers 14-24 / top24 elsewhere host no "
+    "summaries int4 index": _int4_host(256, 80).replace(layer_csa_topk=RETRIEVAL_BAND),
+    "int4 K channel / V rotated w256 + top80 in layers 14-24 / top24 elsewhere streamed no "
+    "summaries int4 index": _int4_host(256, 80, staging="streamed").replace(
+        layer_csa_topk=RETRIEVAL_BAND
     ),
     # The same scored on mean keys (one K vector a block in the int4 index, half the bounds'
     # bytes), which rank blocks by the attention mass they draw better than bounds do

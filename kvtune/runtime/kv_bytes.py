@@ -18,7 +18,9 @@ total here is counted in blocks.
 With selection (csa_topk > 0, csa_host) every pooled block keeps its exact copy in the host
 tier (the layer's format), and the device holds a staging pool of min(csa_topk, pooled blocks)
 blocks a sequence into which selected blocks are fetched: device bytes count the staging pool,
-host bytes the tier. The staging pool is resident (every layer's own blocks, in the main pool) or,
+host bytes the tier. Per-layer budgets (layer_csa_topk) share that pool: it follows the largest
+budget (csa_topk), each layer reading its first min(budget, pooled blocks) staging blocks.
+The staging pool is resident (every layer's own blocks, in the main pool) or,
 with csa_staging = streamed, one pool the layers fill in turn: its blocks cost one block of each
 distinct layer format, not of every layer. With csa_index = bounds each pooled block also keeps
 one device slot of key bounds (max in K, min in V), with csa_index = means one K slot of its
@@ -247,7 +249,14 @@ def host_kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: in
 
 def max_fetch_bytes_per_step(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Most bytes one decode step of a num_tokens sequence fetches from the host tier: every
-    staging block refilled in every layer (what a streamed staging pool fetches every step; a
-    resident one fetches nothing for a choice that stays)."""
-    blocks = sequence_blocks(policy, num_tokens)
-    return (blocks.staging + blocks.streamed) * main_block_bytes(arch, policy)
+    layer refills the staging blocks its budget uses, min(its csa_topk, older blocks) (what a
+    streamed staging pool fetches every step; a resident one fetches nothing for a choice
+    that stays)."""
+    host = sequence_blocks(policy, num_tokens).host
+    bs = policy.block_size
+    return sum(
+        min(topk, host) * layer_block_bytes(arch, f.k, f.v, bs)
+        for topk, f in zip(
+            policy.layer_topk(arch.num_layers), layer_formats(arch, policy), strict=True
+        )
+    )

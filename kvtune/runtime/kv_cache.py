@@ -167,6 +167,7 @@ class KVCache:
         self.rotations = layer_rotations(arch, policy, device)
         self.alignments = self._summary_alignments(rope_inv_freq)
         self.fetched_bytes = 0
+        self.layer_topk = policy.layer_topk(arch.num_layers)
         self.kept = KeptBlocks(policy, heads, device) if policy.keeps else None
         all_formats = layer_formats(arch, policy)
         self.clips = ClipCounter(
@@ -494,21 +495,26 @@ class KVCache:
         streams: dict[str, PagedStream],
         index: PagedStream,
     ) -> None:
-        """Each query's csa_topk older blocks, scored on `index` (key bounds, means or
-        summaries) with q in the index's basis:
+        """Each query's older blocks (the layer's budget), scored on `index` (key bounds, means
+        or summaries) with q in the index's basis:
         their summaries (if any) hidden from it, their exact form shown (in place in the host
-        tier for a prefill step, fetched for a decode step)."""
+        tier for a prefill step, fetched for a decode step). A layer whose budget is 0 reads
+        what a compressed layer without selection reads."""
         policy = self.policy
         bs = policy.block_size
         per_block = bs // policy.csa_ratio
         summary_key, host_key = "summary" + MAIN, "host" + HOST
+        topk = self.layer_topk[layer]
+        if topk == 0:
+            del streams[host_key]
+            return
         chosen = select_blocks(
             q,
             positions,
             layout.q_seq_starts,
             index,
             per_block if policy.csa_index == "summaries" else 1,
-            policy.csa_topk,
+            topk,
             scale,
             policy.csa_index,
         )
@@ -570,9 +576,11 @@ class KVCache:
         """The staging blocks of one sequence in one layer, each KV head's slice of them
         holding a block that head chose: slices not staged yet are fetched from the host tier
         into slices whose block that head no longer chose. A decode query sees every older
-        block, so each head chose min(csa_topk, blocks): exactly the staging blocks."""
+        block, so each head chose min(the layer's budget, blocks): exactly the first staging
+        blocks (all of them where the budget is csa_topk)."""
         heads = len(chosen)
         kind = self.blocks.staging_kind
+        slots = kv.staging_blocks[: self.layer_topk[layer]]
         # A streamed pool holds the previous layer's blocks: everything is fetched again.
         staged = (
             [{} for _ in range(heads)]
@@ -583,7 +591,7 @@ class KVCache:
         for head, picks in enumerate(chosen):
             wanted = {kv.host_blocks[i] for i, pick in enumerate(picks) if pick}
             holds = staged[head]  # staging block -> host block whose slice it holds
-            free = [b for b in kv.staging_blocks if holds.get(b) not in wanted]
+            free = [b for b in slots if holds.get(b) not in wanted]
             missing = sorted(wanted - set(holds.values()))
             for host, staging in zip(missing, free, strict=False):
                 holds[staging] = host
@@ -596,7 +604,7 @@ class KVCache:
             for by_kind in (pools.k, pools.v):
                 copy_blocks(by_kind[HOST], index[0], by_kind[kind], index[1], index[2])
             self.fetched_bytes += len(reads) * self.layer_bytes[layer] // heads
-        return list(kv.staging_blocks)
+        return slots
 
     def apply_copies(self, copies: list[BlockCopy], kvs: list[SequenceKV]) -> None:
         """Execute compressions and recent->main moves on every layer, and the keep decisions

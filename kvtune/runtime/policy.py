@@ -164,6 +164,11 @@ class KVPolicy:
         selection then keeps as much accuracy and the summary bytes go to selected blocks).
     csa_topk: older blocks (outside sinks and window) each query reads exactly, chosen per
         query and layer by its attention to their summaries (0 = none: summaries only).
+    layer_csa_topk: optional budget per layer overriding csa_topk (PyramidKV-style: more blocks
+        where layers retrieve, fewer where they attend locally; 0 = that layer reads sinks,
+        window and summaries only). csa_topk is then their largest (0 takes it): a sequence's
+        staging blocks, which every layer shares, so device bytes follow the largest budget;
+        the fetched bytes and the blocks attended follow each layer's own.
     csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
         its per-channel key max and min, kept in one device slot a block; Quest), means (q.k
         with the mean of the block's cached keys, one K slot a block: half the bounds' bytes,
@@ -213,6 +218,7 @@ class KVPolicy:
     csa_sinks: int = 16
     csa_summary: str = "pre_rope"
     csa_topk: int = 0
+    layer_csa_topk: tuple[int, ...] | None = None
     csa_index: str = "bounds"
     csa_index_dtype: str = INDEX_IN_LAYER_FORMAT
     csa_host: bool = False
@@ -362,6 +368,7 @@ class KVPolicy:
         """Selection reads exact older blocks, which only the host tier keeps, and the tier
         is read only by selection."""
         _check_int("csa_topk", self.csa_topk, 0)
+        self._normalise_layer_topk()
         if self.csa_index not in CSA_INDEXES:
             raise ConfigError(
                 _field("csa_index"), self.csa_index, f"one of {', '.join(CSA_INDEXES)}"
@@ -382,10 +389,12 @@ class KVPolicy:
                 f"{' or '.join(POOLED_INDEXES)} (it stores the bounds or means selection scores)",
             )
         if self.csa_topk and self.csa_ratio == 1:
+            budgets = self.layer_csa_topk
             raise ConfigError(
-                _field("csa_topk"),
-                self.csa_topk,
-                "0 when csa_ratio is 1 (selection picks among compressed blocks)",
+                _field("csa_topk" if budgets is None else "layer_csa_topk"),
+                self.csa_topk if budgets is None else list(budgets),
+                f"{0 if budgets is None else 'null'} when csa_ratio is 1 (selection picks among "
+                "compressed blocks)",
             )
         if self.csa_summary == NO_SUMMARY and not self.pooled_index:
             raise ConfigError(
@@ -417,6 +426,34 @@ class KVPolicy:
                 self.csa_topk,
                 "an integer >= 1 when csa_host is true (only selection reads the host tier)",
             )
+
+    def _normalise_layer_topk(self) -> None:
+        """Per-layer budgets as a tuple of integers, csa_topk their largest (the staging blocks
+        a sequence holds; 0 takes it)."""
+        budgets = self.layer_csa_topk
+        if budgets is None:
+            return
+        name = "layer_csa_topk"
+        if isinstance(budgets, str) or not isinstance(budgets, Sequence):
+            raise ConfigError(
+                _field(name), budgets, "a list of integers >= 0 (one a layer), or null"
+            )
+        budgets = tuple(_check_int(f"{name}[{i}]", b, 0) for i, b in enumerate(budgets))
+        if not budgets or max(budgets) == 0:
+            raise ConfigError(
+                _field(name),
+                list(budgets),
+                "a list with a budget above 0, or null (a policy without selection has csa_topk 0)",
+            )
+        if self.csa_topk not in (0, max(budgets)):
+            raise ConfigError(
+                _field("csa_topk"),
+                self.csa_topk,
+                f"{max(budgets)}, the largest layer_csa_topk (the staging blocks a sequence "
+                "holds), or 0 to take it",
+            )
+        object.__setattr__(self, "layer_csa_topk", budgets)
+        object.__setattr__(self, "csa_topk", max(budgets))
 
     def _check_keep(self) -> None:
         """Kept blocks are decided when a group's first block leaves the window, from codes
@@ -521,6 +558,19 @@ class KVPolicy:
             for i, pair in enumerate(pairs)
         ]
 
+    def layer_topk(self, num_layers: int) -> list[int]:
+        """Older blocks each query reads exactly, layer by layer (csa_topk everywhere unless
+        layer_csa_topk gives each layer its own)."""
+        if self.layer_csa_topk is None:
+            return [self.csa_topk] * num_layers
+        if len(self.layer_csa_topk) != num_layers:
+            raise ConfigError(
+                _field("layer_csa_topk"),
+                f"<{len(self.layer_csa_topk)} entries>",
+                f"exactly one budget per layer: the model has {num_layers} layers",
+            )
+        return list(self.layer_csa_topk)
+
     def kv_format(self, dtype: str, auto_dtype: str, keys: bool = False) -> KVFormat:
         """Storage format of a stream whose element dtype is `dtype` (auto -> the model's);
         keys: the stream holds keys (k_scale_axis applies)."""
@@ -540,6 +590,7 @@ class KVPolicy:
     def check_model(self, arch: ModelArch) -> None:
         """Refuse settings this model cannot hold (before its weights are loaded)."""
         pairs = self.layer_pairs(arch.num_layers)
+        self.layer_topk(arch.num_layers)
         size = arch.cached_vector_size
         # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
         for name in ("group_size", "k_group_size"):
@@ -594,8 +645,9 @@ class KVPolicy:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (lists, ints, strings) for YAML, MLflow params and Hydra."""
         data = dataclasses.asdict(self)
-        if self.layer_dtypes is not None:
-            data["layer_dtypes"] = list(self.layer_dtypes)
+        for name in ("layer_dtypes", "layer_csa_topk"):
+            if data[name] is not None:
+                data[name] = list(data[name])
         return data
 
     @classmethod
@@ -607,8 +659,9 @@ class KVPolicy:
                     _field(str(key)), data[key], f"unknown field; known: {', '.join(sorted(known))}"
                 )
         values = dict(data)
-        if isinstance(values.get("layer_dtypes"), list):
-            values["layer_dtypes"] = tuple(values["layer_dtypes"])
+        for name in ("layer_dtypes", "layer_csa_topk"):
+            if isinstance(values.get(name), list):
+                values[name] = tuple(values[name])
         return cls(**values)
 
     def to_yaml(self) -> str:

@@ -99,6 +99,32 @@ def test_a_selection_policy_is_compared_with_plain_alternatives():
     assert plan["kv_bytes_per_sequence"] < rows["fp4 g16 + csa4"]["kv_bytes_per_sequence"]
 
 
+def test_per_layer_budgets_fetch_their_own_blocks_beside_the_largest_staging_pool():
+    """layer_csa_topk from the command line: 80 blocks in 8 of Llama-3.1-8B's 32 layers and 20
+    in the rest fetch (8 x 80 + 24 x 20) / (32 x 80) of the uniform budget's bytes (every
+    layer has one format), on the same device bytes (the staging pool follows the largest)."""
+    selection = (
+        "model=llama-3.1-8b",
+        "serve.max_model_len=8192",
+        "policy.k_dtype=fp8",
+        "policy.v_dtype=fp8",
+        "policy.csa_ratio=2",
+        "policy.csa_window=256",
+        "policy.csa_host=true",
+        "policy.csa_summary=none",
+    )
+    budgets = [20] * 12 + [80] * 8 + [20] * 12
+    pyramid = plan_json(*selection, f"policy.layer_csa_topk=[{','.join(map(str, budgets))}]")
+    uniform = plan_json(*selection, "policy.csa_topk=80")
+    assert pyramid["policy"]["csa_topk"] == 80 and pyramid["policy"]["layer_csa_topk"] == budgets
+    assert pyramid["kv_bytes_per_sequence"] == uniform["kv_bytes_per_sequence"]
+    fetched = (pyramid["max_fetch_bytes_per_step"], uniform["max_fetch_bytes_per_step"])
+    assert fetched[0] * 32 * 80 == fetched[1] * (8 * 80 + 24 * 20)
+    short = kvtune("plan", *selection, "policy.layer_csa_topk=[80,20]")
+    assert short.returncode == 2 and short.stdout == ""
+    assert short.stderr.strip().endswith("exactly one budget per layer: the model has 32 layers")
+
+
 def test_integer_formats_and_rotation_are_planned_with_exact_bytes():
     overrides = (
         "model=llama-3.1-8b",

@@ -95,6 +95,8 @@ def test_params_are_per_group_dtypes_and_multi_candidate_knobs():
         ({"scale_dtype": []}, "search.scale_dtype"),
         ({"csa_sinks": [4, 4]}, "search.csa_sinks"),
         ({"recent_unqantized": [0]}, "search.recent_unqantized"),
+        ({"csa_topk_share": [0.5, 1.5]}, "search.csa_topk_share"),
+        ({"csa_topk_share": ["half"]}, "search.csa_topk_share"),
     ],
 )
 def test_bad_knobs_fail_naming_the_field(changes, field):
@@ -164,6 +166,46 @@ def test_canonical_drops_a_rotation_of_an_unquantized_cache():
 def test_space_size_counts_combinations():
     config = SearchConfig.from_dict(SEARCH, ARCH)
     assert config.size(3) == 3 * 2 * 2 * 4 * 2 * 2 * 5 * 2 * 9**3
+    # A share drawn per group multiplies each group's K x V choices.
+    shares = SearchConfig.from_dict({**SEARCH, "csa_topk_share": [0.5, 1]}, ARCH)
+    assert shares.size(3) == 3 * 2 * 2 * 4 * 2 * 2 * 5 * 2 * (9 * 2) ** 3
+
+
+def test_each_layer_group_reads_its_share_of_the_selection_budget():
+    """csa_topk_share is drawn per layer group: a layer of group g reads ceil(csa_topk x
+    share_g) blocks, csa_topk becomes the largest of them (the staging pool), equal budgets
+    are the plain csa_topk, and all-zero shares select nothing."""
+    search = space(
+        csa_ratio=[2],
+        csa_window=[256],
+        csa_topk=[48],
+        csa_topk_share=[0, 0.25, 1],
+        csa_summary=["none"],
+        block_size=[16],
+        chunk_size=[256],
+    )
+    assert {f"csa_topk_share_g{i}" for i in range(3)} <= set(search.distributions())
+    assert "csa_topk_share" not in search.distributions()
+    params = {"csa_topk_share_g0": 0.25, "csa_topk_share_g1": 0, "csa_topk_share_g2": 0.25}
+    pyramid = search.policy(params)
+    assert pyramid.layer_csa_topk == (12, 12, 0, 0, 12, 12) and pyramid.csa_topk == 12
+    assert pyramid.csa_host and pyramid.csa_summary == "none"
+    uniform = search.policy({f"csa_topk_share_g{i}": 1 for i in range(3)})
+    assert uniform.layer_csa_topk is None and uniform.csa_topk == 48
+    nothing = search.policy({f"csa_topk_share_g{i}": 0 for i in range(3)})
+    assert not nothing.selects and not nothing.csa_host and nothing.csa_summary == "pre_rope"
+    draws = valid_draws(search, 60, seed=4)
+    assert any(p.layer_csa_topk is not None for p in draws)
+    for drawn in draws:
+        budgets = drawn.layer_topk(6)
+        assert set(budgets) <= {0, 12, 48} and drawn.csa_topk == max(budgets)
+    # Without the knob every group reads the whole budget.
+    assert (
+        space(csa_ratio=[2], csa_topk=[0, 8], csa_window=[256])
+        .policy({"csa_topk": 8})
+        .layer_csa_topk
+        is None
+    )
 
 
 def test_layers_are_grouped_by_ascending_sensitivity():

@@ -159,20 +159,22 @@ QUEST = SELECT.replace(
 
 
 def quest_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: KVPolicy, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    policy: KVPolicy,
+    scale: float,
+    topk: int | None = None,
 ) -> torch.Tensor:
     """[N, Hq, D]: attention without summaries from its definition (Quest). Query p reads the
     sinks, the window (the layout decode holds when p arrives: a block has left it once
-    csa_window tokens before p follow it) and, per KV head, the csa_topk older blocks with the
+    csa_window tokens before p follow it) and, per KV head, the topk (default csa_topk) older
+    blocks with the
     largest score max over its query heads: with csa_index bounds sum_d max(q_d hi_d, q_d lo_d),
     hi / lo the per-channel key max / min of the block; with means q.m, m the mean of the
     block's keys. Nothing of the other older blocks."""
-    sinks, bs, window, topk = (
-        policy.csa_sinks,
-        policy.block_size,
-        policy.csa_window,
-        policy.csa_topk,
-    )
+    sinks, bs, window = policy.csa_sinks, policy.block_size, policy.csa_window
+    topk = policy.csa_topk if topk is None else topk
     num_q, kv_heads, per_kv = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
     keys, values = k.half().float(), v.half().float()  # the fp16 cache
     out = torch.zeros_like(q)
@@ -231,3 +233,47 @@ def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(
     assert len(kv.host_blocks) > QUEST.csa_topk  # the choice matters
     other = policy.replace(csa_index="bounds" if index == "means" else "means")
     assert relative_error(quest_attention(q, k, v, other, seen[0][4]), expected) > 1e-3
+
+
+@pytest.mark.parametrize("staging", ["resident", "streamed"])
+@pytest.mark.parametrize("budgets", [(1, 3), (0, 2)])
+def test_each_layer_reads_its_own_budget_in_prefill_and_decode(tiny_llama, budgets, staging):
+    """Per-layer budgets (layer_csa_topk, PyramidKV-style): each layer's attention output over
+    a chunked prefill and decode steps equals the Quest rule computed here with that layer's
+    budget (0: sinks and window only), and a decode step fetches min(budget, older blocks)
+    blocks in each layer."""
+    policy = QUEST.replace(csa_topk=0, layer_csa_topk=budgets, csa_staging=staging)
+    assert policy.csa_topk == max(budgets)
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
+    engine = llm.engine
+    seen: dict[int, list] = {0: [], 1: []}
+    original = KVCache.attend
+
+    def attend(self, layer, layout, q, k, v, scale):
+        out = original(self, layer, layout, q, k, v, scale)
+        seen[layer].append((q.clone(), k.clone(), v.clone(), out.clone(), scale))
+        return out
+
+    engine.cache.attend = attend.__get__(engine.cache)
+    prompt = random_tokens(120, seed=20)
+    engine.add_request(prompt, max_new_tokens=4)
+    chunks = -(-len(prompt) // QUEST.chunk_size)
+    while len(seen[0]) < chunks:
+        engine.step()
+    fetched = []
+    for _ in range(3):
+        before = engine.stats()["kv_fetched_bytes"]
+        engine.step()
+        fetched.append(engine.stats()["kv_fetched_bytes"] - before)
+    for layer, budget in enumerate(budgets):
+        q, k, v, out = (torch.cat([part[i] for part in seen[layer]]) for i in range(4))
+        expected = quest_attention(q, k, v, policy, seen[layer][0][4], topk=budget)
+        assert relative_error(out, expected) <= 1e-5, layer
+    heads = llm.arch.num_kv_heads
+    vector = 2 * heads * llm.arch.head_dim * 2  # K and V of one token, 2 bytes an element
+    older = (len(prompt) - QUEST.csa_sinks - QUEST.csa_window) // BLOCK  # 12, more than budgets
+    every_block = sum(min(b, older) for b in budgets) * BLOCK * vector
+    if staging == "streamed":
+        assert fetched == [every_block] * 3
+    else:
+        assert 0 < fetched[0] <= every_block and all(f <= every_block for f in fetched)

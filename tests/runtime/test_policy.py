@@ -13,6 +13,8 @@ from kvtune.runtime.policy import KVPolicy
 SMOL = ModelArch("smol", 30, 9, 3, 64, 0, 8192)
 MLA = ModelArch("mla", 4, 16, 16, 192, 0, 4096, kv_lora_rank=512, qk_rope_head_dim=64)
 CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default.yaml"
+# Selection without summaries, every knob but the budget set.
+SELECTING = {"csa_ratio": 2, "csa_summary": "none", "csa_host": True}
 
 
 @pytest.mark.parametrize(
@@ -102,6 +104,13 @@ CONF_POLICY = Path(__file__).resolve().parents[2] / "conf" / "policy" / "default
             "policy.k_scale_axis",
         ),
         ({"boundary_layers": -1}, "policy.boundary_layers"),
+        # Per-layer selection budgets: integers, one above 0, csa_topk their largest or 0.
+        ({**SELECTING, "layer_csa_topk": "8"}, "policy.layer_csa_topk"),
+        ({**SELECTING, "layer_csa_topk": [8, -1]}, "policy.layer_csa_topk[1]"),
+        ({**SELECTING, "layer_csa_topk": [8, 2.5]}, "policy.layer_csa_topk[1]"),
+        ({**SELECTING, "layer_csa_topk": [0, 0]}, "policy.layer_csa_topk"),
+        ({**SELECTING, "layer_csa_topk": [4, 2], "csa_topk": 8}, "policy.csa_topk"),
+        ({"layer_csa_topk": [4, 2]}, "policy.layer_csa_topk"),
         ({"boundary_layers": True}, "policy.boundary_layers"),
     ],
 )
@@ -220,6 +229,18 @@ def test_round_trips_through_dict_and_yaml():
     assert KVPolicy.from_dict(integer.to_dict()) == integer
     assert KVPolicy.from_yaml(integer.to_yaml()) == integer
     assert yaml.safe_load(integer.to_yaml())["rotation"] == "hadamard"
+    budgets = KVPolicy(**SELECTING, layer_csa_topk=[0, 16, 8])
+    assert budgets.csa_topk == 16 and budgets.layer_csa_topk == (0, 16, 8)
+    assert KVPolicy.from_yaml(budgets.to_yaml()) == budgets
+    assert yaml.safe_load(budgets.to_yaml())["layer_csa_topk"] == [0, 16, 8]
+
+
+def test_per_layer_budgets_need_one_a_layer():
+    budgets = KVPolicy(**SELECTING, layer_csa_topk=[8] * 29 + [16], csa_topk=16)
+    assert budgets.layer_topk(30) == [8] * 29 + [16]
+    assert KVPolicy(**SELECTING, csa_topk=4).layer_topk(3) == [4, 4, 4]
+    with pytest.raises(ConfigError, match=r"policy.layer_csa_topk='<2 entries>' .*30 layers"):
+        KVPolicy(**SELECTING, layer_csa_topk=[8, 16]).check_model(SMOL)
 
 
 def test_numeric_strings_for_group_size_are_accepted():

@@ -71,6 +71,7 @@ def _engine_policy(
         csa_ratio=1,
         csa_summary=_DEFAULT_POLICY.csa_summary,
         csa_topk=0,
+        layer_csa_topk=None,
         csa_host=False,
         csa_index_dtype=_DEFAULT_POLICY.csa_index_dtype,
         csa_staging=_DEFAULT_POLICY.csa_staging,
@@ -322,8 +323,14 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
                 ", fetched a layer at a time into one staging pool the layers share (every "
                 "step fetches every layer's choice)"
             )
+        budget = f"{policy.csa_topk} older blocks"
+        if policy.layer_csa_topk:
+            budget = (
+                f"{min(policy.layer_csa_topk)}-{policy.csa_topk} older blocks (by layer: "
+                f"{', '.join(map(str, policy.layer_csa_topk))})"
+            )
         gaps.append(
-            f"query-aware selection of {policy.csa_topk} older blocks per query from a host-memory "
+            f"query-aware selection of {budget} per query from a host-memory "
             f"tier{index}: neither engine expresses it for this model (SGLang's hisparse exists "
             "only for DeepSeek sparse-attention models); the engines keep every token on the "
             "device"

@@ -61,6 +61,7 @@ PLAIN_FIELDS = (
     "boundary_layers",
     "csa_summary",
     "csa_topk",
+    "layer_csa_topk",
     "csa_index",
     "csa_index_dtype",
     "csa_host",

@@ -30,7 +30,9 @@ def _policy_label(row: CapacityRow) -> str:
     pooled = f"csa={p.csa_ratio}" if p.summarises else "csa without summaries"
     csa = f" {pooled} (sinks {p.csa_sinks}, window {p.csa_window})" if p.compressed else ""
     if p.selects:
-        csa += f" top{p.csa_topk} from host" + (", streamed" if p.streams_staging else "")
+        budgets = p.layer_csa_topk or (p.csa_topk,)
+        top = f"{min(budgets)}-{max(budgets)} by layer" if len(set(budgets)) > 1 else p.csa_topk
+        csa += f" top{top} from host" + (", streamed" if p.streams_staging else "")
         dtype = f"{p.csa_index_dtype} " if p.separate_index else ""
         csa += f" ({dtype}{p.csa_index} index)"
     if p.keeps:

@@ -4,7 +4,8 @@ Every candidate is checked against the policy rules and the model before any tri
 the pairings are checked statically (every chunk_size candidate a multiple of every block_size
 candidate, every csa_ratio <= every block_size, every csa_window >= every block_size), so a
 sampler can never draw an invalid combination and the space stays static (what TPE, GP and
-grid need). K and V dtypes are searched per layer group: groups come from the sensitivity
+grid need). K and V dtypes, and the share of the selection budget csa_topk that a layer reads
+(PyramidKV-style budgets), are searched per layer group: groups come from the sensitivity
 profile (kvtune/autotune/search/sensitivity.py), or one group a layer with `layer_groups: all`.
 """
 
@@ -57,6 +58,7 @@ KNOB_NAMES = (
     "csa_sinks",
     "csa_summary",
     "csa_topk",
+    "csa_topk_share",
     "csa_index",
     "csa_index_dtype",
     "csa_staging",
@@ -65,12 +67,26 @@ KNOB_NAMES = (
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
+# Knobs drawn once per layer group (params "<knob>_g<i>"), beside the K and V dtypes.
+GROUP_KNOBS = ("csa_topk_share",)
+# Knobs of the space that are not policy fields, with the value a conf/search without them
+# keeps: each layer group reads csa_topk * share blocks (rounded up; 0: none).
+SPACE_DEFAULTS: dict[str, Any] = {"csa_topk_share": 1.0}
+
+
+def _default(name: str) -> Any:
+    """A knob's value where a space leaves it out: the space's own default, else the
+    policy's."""
+    return SPACE_DEFAULTS[name] if name in SPACE_DEFAULTS else getattr(_DEFAULTS, name)
+
+
 # Knobs added after studies began: a conf/search without them keeps the policy default.
 OPTIONAL_KNOBS = (
     "k_scale_axis",
     "rotation",
     "csa_summary",
     "csa_topk",
+    "csa_topk_share",
     "csa_index",
     "csa_index_dtype",
     "csa_staging",
@@ -173,7 +189,7 @@ class SearchConfig:
                 raise ConfigError(
                     _field(str(key)), data[key], f"unknown knob; known: {', '.join(sorted(known))}"
                 )
-        data = {**{name: getattr(_DEFAULTS, name) for name in OPTIONAL_KNOBS}, **data}
+        data = {**{name: _default(name) for name in OPTIONAL_KNOBS}, **data}
         for key in known:
             if key not in data:
                 raise ConfigError(_field(key), None, "candidates (missing from conf/search)")
@@ -247,6 +263,12 @@ class SearchConfig:
             "csa_topk", k["csa_topk"], lambda v: _is_int(v, 0), "integers >= 0 (blocks; 0 = none)"
         )
         _check_each(
+            "csa_topk_share",
+            k["csa_topk_share"],
+            lambda s: isinstance(s, int | float) and not isinstance(s, bool) and 0 <= s <= 1,
+            "numbers in [0, 1] (the share of csa_topk a layer group reads; 0 = none)",
+        )
+        _check_each(
             "csa_index",
             k["csa_index"],
             CSA_INDEXES.__contains__,
@@ -317,8 +339,10 @@ class SearchConfig:
 
     def size(self, num_groups: int) -> int:
         """Combinations in the space (what a grid would enumerate)."""
-        scalars = math.prod(len(c) for c in self.knobs.values())
-        return scalars * (len(self.k_dtypes) * len(self.v_dtypes)) ** num_groups
+        scalars = math.prod(len(c) for name, c in self.knobs.items() if name not in GROUP_KNOBS)
+        per_group = len(self.k_dtypes) * len(self.v_dtypes)
+        per_group *= math.prod(len(self.knobs[name]) for name in GROUP_KNOBS)
+        return scalars * per_group**num_groups
 
 
 def _most_precise(dtypes: Sequence[str]) -> str:
@@ -344,13 +368,17 @@ class SearchSpace:
         """Every searched param (knobs with one candidate are fixed, not params)."""
         params: dict[str, CategoricalDistribution] = {}
         for name, choices in self.config.knobs.items():
-            if len(choices) > 1:
+            if len(choices) > 1 and name not in GROUP_KNOBS:
                 params[name] = CategoricalDistribution(choices)
+        per_group = {
+            "k_dtype": self.config.k_dtypes,
+            "v_dtype": self.config.v_dtypes,
+            **{name: self.config.knobs[name] for name in GROUP_KNOBS},
+        }
         for index in range(len(self.groups)):
-            if len(self.config.k_dtypes) > 1:
-                params[f"k_dtype_g{index}"] = CategoricalDistribution(self.config.k_dtypes)
-            if len(self.config.v_dtypes) > 1:
-                params[f"v_dtype_g{index}"] = CategoricalDistribution(self.config.v_dtypes)
+            for name, choices in per_group.items():
+                if len(choices) > 1:
+                    params[f"{name}_g{index}"] = CategoricalDistribution(choices)
         return params
 
     def suggest(self, trial: optuna.Trial) -> KVPolicy:
@@ -364,8 +392,12 @@ class SearchSpace:
     def policy(self, params: Mapping[str, Any]) -> KVPolicy:
         """The canonical policy of a set of params (missing params take the fixed values)."""
         knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
+        fixed_share = knobs.pop("csa_topk_share")  # not a policy field: drawn per group
+        shares = [params.get(f"csa_topk_share_g{i}", fixed_share) for i in range(len(self.groups))]
         if knobs["csa_ratio"] == 1:
             knobs["csa_topk"] = 0  # nothing compressed, nothing to select
+        budgets = [math.ceil(knobs["csa_topk"] * share) for share in shares]
+        knobs["csa_topk"] = max(budgets)
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
         if not knobs["csa_host"]:
             knobs["csa_staging"] = _DEFAULTS.csa_staging  # only selection fetches into staging
@@ -378,12 +410,16 @@ class SearchSpace:
         if not _can_scale_keys_per_channel(knobs):
             knobs["k_scale_axis"] = "token"  # channel scales need whole blocks, not summaries
         pairs = [""] * self.num_layers
+        layer_topk = [0] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
             v = params.get(f"v_dtype_g{index}", self.config.v_dtypes[0])
             for layer in layers:
                 pairs[layer] = f"{k}/{v}"
+                layer_topk[layer] = budgets[index]
         _fit_integer_scales(knobs, pairs, self.config.knobs)
+        if knobs["csa_topk"]:
+            knobs["layer_csa_topk"] = tuple(layer_topk)
         return canonical(KVPolicy.from_dict(knobs).replace(layer_dtypes=tuple(pairs)))
 
     def warm_starts(self) -> dict[str, dict[str, Any]]:
@@ -402,7 +438,7 @@ class SearchSpace:
         """
         distributions = self.distributions()
         fixed = {
-            name: (getattr(_DEFAULTS, name) if getattr(_DEFAULTS, name) in choices else choices[0])
+            name: (_default(name) if _default(name) in choices else choices[0])
             for name, choices in self.config.knobs.items()
         }
         fixed["csa_ratio"] = min(self.config.knobs["csa_ratio"])
@@ -462,6 +498,7 @@ class SearchSpace:
             for index, (k, v) in enumerate(layout):
                 params[f"k_dtype_g{index}"] = k
                 params[f"v_dtype_g{index}"] = v
+                params.update({f"{name}_g{index}": params[name] for name in GROUP_KNOBS})
             expressible = {p: value for p, value in params.items() if p in distributions}
             if all(value in distributions[p].choices for p, value in expressible.items()):
                 starts[name] = expressible
@@ -477,8 +514,8 @@ def canonical(policy: KVPolicy) -> KVPolicy:
     nothing without a quantized key stream, the CSA window, sinks, summary pooling and
     selection nothing without compression (the selection index nothing without selection,
     the pooling ratio nothing without summaries), and
-    per-layer pairs that are all equal are the plain K/V dtypes. Canonical policies make equal
-    trials hit the same cache entry.
+    per-layer pairs, or per-layer selection budgets, that are all equal are the plain fields.
+    Canonical policies make equal trials hit the same cache entry.
     """
     pairs = policy.layer_dtypes or (f"{policy.k_dtype}/{policy.v_dtype}",)
     changes: dict[str, Any] = {}
@@ -500,12 +537,15 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         changes.update(k_scale_axis=_DEFAULTS.k_scale_axis)
     elif policy.k_scale_axis == "channel" and not values_quantized:
         changes.update(group_size=PER_TENSOR)  # channel keys ignore it, no value uses it
+    if policy.layer_csa_topk is not None and len(set(policy.layer_csa_topk)) == 1:
+        changes.update(layer_csa_topk=None)
     if not policy.compressed:
         changes.update(
             csa_window=_DEFAULTS.csa_window,
             csa_sinks=_DEFAULTS.csa_sinks,
             csa_summary=_DEFAULTS.csa_summary,
             csa_topk=0,
+            layer_csa_topk=None,
             csa_host=False,
             csa_keep=0.0,
         )

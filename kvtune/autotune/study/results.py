@@ -166,6 +166,8 @@ def policy_columns(policy: KVPolicy | None, num_layers: int) -> dict[str, Any]:
     if policy is None:
         return {}
     columns = {k: v for k, v in policy.to_dict().items() if k != "layer_dtypes"}
+    if policy.layer_csa_topk is not None:
+        columns["layer_csa_topk"] = " ".join(map(str, policy.layer_csa_topk))
     pairs = policy.layer_pairs(num_layers)
     columns["layers"] = " ".join(f"{DTYPE_CODES[k]}{DTYPE_CODES[v]}" for k, v in pairs)
     for side, index in (("k", 0), ("v", 1)):
