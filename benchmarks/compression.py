@@ -52,6 +52,16 @@ INT4_CHANNEL = KVPolicy("int4", "int4", group_size=64, k_scale_axis="channel", r
 
 # SmolLM2's 30 layers: 80 blocks a query in layers 14-24, 24 in the others.
 RETRIEVAL_BAND = (24,) * 14 + (80,) * 11 + (24,) * 5
+# 80 blocks where the exact model puts the most attention on older blocks when an answer is
+# due, the other layers in proportion, at least 16: `python -m benchmarks.layer_budgets`.
+# fmt: off
+OLDER_MASS_BUDGETS = (
+    74, 50, 78, 79, 75, 79, 73, 80, 79, 73, 57, 29, 16, 16, 34,
+    27, 16, 20, 48, 18, 53, 65, 41, 64, 22, 16, 23, 16, 24, 24,
+)
+# fmt: on
+# The same with at least 48 blocks a layer (`--floor 48`): 0.73 of the uniform 80's blocks.
+OLDER_MASS_BUDGETS_48 = tuple(max(48, budget) for budget in OLDER_MASS_BUDGETS)
 
 
 def _csa(base: KVPolicy, ratio: int, window: int, **changes) -> KVPolicy:
@@ -156,6 +166,15 @@ POLICIES: dict[str, KVPolicy] = {
     "summaries int4 index": _int4_host(256, 80, staging="streamed").replace(
         layer_csa_topk=RETRIEVAL_BAND
     ),
+    # The same blocks in every layer at about the same total (0.60 of 80).
+    "int4 K channel / V rotated w256 + top48 host no summaries int4 index": _int4_host(256, 48),
+    # Budgets read off the model instead (0.57 of the uniform 80's blocks): most in layers 0-10.
+    "int4 K channel / V rotated w256 + top16-80 by older attention host no summaries int4 "
+    "index": _int4_host(256, 80).replace(layer_csa_topk=OLDER_MASS_BUDGETS),
+    "int4 K channel / V rotated w256 + top16-80 by older attention streamed no summaries int4 "
+    "index": _int4_host(256, 80, staging="streamed").replace(layer_csa_topk=OLDER_MASS_BUDGETS),
+    "int4 K channel / V rotated w256 + top48-80 by older attention host no summaries int4 "
+    "index": _int4_host(256, 80).replace(layer_csa_topk=OLDER_MASS_BUDGETS_48),
     # The same scored on mean keys (one K vector a block in the int4 index, half the bounds'
     # bytes), which rank blocks by the attention mass they draw better than bounds do
     # (benchmarks.selection_scoring); and the 0.10-of-fp16 budget scored alike.

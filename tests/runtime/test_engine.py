@@ -173,6 +173,8 @@ POLICIES_FOR_BYTES = [
     ),
     # Selection without summaries: the host tier, staging pool and key bounds alone.
     SELECTING.replace(csa_summary="none", csa_topk=2, recent_unquantized=8, chunk_size=24),
+    # Per-layer budgets (one layer reads none): the staging pool follows the largest.
+    SELECTING.replace(csa_topk=0, layer_csa_topk=(0, 3), csa_staging="streamed", chunk_size=24),
     # Selection beside rotated per-channel int4 keys, with the key bounds or the mean keys (an
     # index pool without a V half) in an int4 index.
     *(
