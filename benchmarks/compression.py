@@ -162,17 +162,11 @@ POLICIES: dict[str, KVPolicy] = {
     # others: 0.56 of the uniform budget's blocks fetched and attended, the same staging pool.
     "int4 K channel / V rotated w256 + top80 in layers 14-24 / top24 elsewhere host no "
     "summaries int4 index": _int4_host(256, 80).replace(layer_csa_topk=RETRIEVAL_BAND),
-    "int4 K channel / V rotated w256 + top80 in layers 14-24 / top24 elsewhere streamed no "
-    "summaries int4 index": _int4_host(256, 80, staging="streamed").replace(
-        layer_csa_topk=RETRIEVAL_BAND
-    ),
     # The same blocks in every layer at about the same total (0.60 of 80).
     "int4 K channel / V rotated w256 + top48 host no summaries int4 index": _int4_host(256, 48),
     # Budgets read off the model instead (0.57 of the uniform 80's blocks): most in layers 0-10.
     "int4 K channel / V rotated w256 + top16-80 by older attention host no summaries int4 "
     "index": _int4_host(256, 80).replace(layer_csa_topk=OLDER_MASS_BUDGETS),
-    "int4 K channel / V rotated w256 + top16-80 by older attention streamed no summaries int4 "
-    "index": _int4_host(256, 80, staging="streamed").replace(layer_csa_topk=OLDER_MASS_BUDGETS),
     "int4 K channel / V rotated w256 + top48-80 by older attention host no summaries int4 "
     "index": _int4_host(256, 80).replace(layer_csa_topk=OLDER_MASS_BUDGETS_48),
     # The same scored on mean keys (one K vector a block in the int4 index, half the bounds'
