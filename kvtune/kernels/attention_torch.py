@@ -206,8 +206,10 @@ def cache_attention_torch(
         parts = [(gathered, bias) for gathered, bias in parts if gathered is not None]
         if not parts:
             continue
-        keys = torch.cat([gathered.keys for gathered, _ in parts], dim=1)
-        values = torch.cat([gathered.values for gathered, _ in parts], dim=1)
+        # Concatenated straight into SDPA's [S, Hkv, L, D] layout: the same one copy, and SDPA
+        # then reads contiguous rows (strided keys and values made it about 1.3x slower on a CPU).
+        keys = torch.cat([gathered.keys.transpose(1, 2) for gathered, _ in parts], dim=2)
+        values = torch.cat([gathered.values.transpose(1, 2) for gathered, _ in parts], dim=2)
         heads = max(gathered.visible.shape[1] for gathered, _ in parts)
         mask = torch.cat(
             [
@@ -220,8 +222,8 @@ def cache_attention_torch(
             mask = mask.repeat_interleave(num_q_heads // heads, dim=1)
         group_out = F.scaled_dot_product_attention(
             q[group.rows].float().transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
+            keys,
+            values,
             attn_mask=mask,
             scale=scale,
             enable_gqa=True,
