@@ -10,13 +10,24 @@ decoding (pre-RoPE); values stay exact. Printed per row: teacher-forced KL(exact
 of the next-token distribution and top-1 agreement, over a held-out text's tokens after the
 first 256.
 
-    .venv/bin/python -m benchmarks.prerope_keys [--tokens 2048] [--markdown]
+`--rows kvquant` measures KVQuant's two other parts on pre-RoPE keys: a non-uniform codebook
+(NUQ) per layer, fitted by 1-D k-means to the layer's normalised calibration keys, and dense-and-
+sparse outliers (per channel, the calibration keys' lower and upper fraction / 2 quantiles are
+thresholds; keys beyond them are kept exact beside the codes, and the block's range is taken
+over the rest). Calibration keys come from the held-out text that follows the scored tokens, so
+no scored token calibrates. Bits per key element count the codes, an fp16 minimum and range
+per channel per block, and 32 bits (fp16 value, 16-bit place) per outlier measured.
+
+    .venv/bin/python -m benchmarks.prerope_keys [--tokens 2048] [--rows rope|kvquant] [--markdown]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from rich.console import Console
@@ -30,6 +41,20 @@ from kvtune.runtime.model import DenseCausalAttention, apply_rope
 
 SKIPPED_TOKENS = 256  # the first positions see few keys: their KL says little about a cache
 ROWS = [(bits, block) for bits in (4, 3, 2) for block in (64, 128)]
+# (bits, block, codebook, outlier fraction): pre-RoPE keys, KVQuant's parts one at a time.
+KVQUANT_ROWS = [
+    (3, 128, "uniform", 0.0),
+    (3, 128, "uniform", 0.01),
+    (3, 128, "nuq", 0.0),
+    (3, 128, "nuq", 0.01),
+    (3, 128, "nuq-ends", 0.0),
+    (3, 128, "nuq-ends", 0.01),
+    (3, 64, "nuq-ends", 0.01),
+    (3, 128, "nuq", 0.02),
+    (4, 128, "nuq", 0.01),
+]
+KMEANS_ROUNDS = 60
+OUTLIER_BITS = 32  # an fp16 value and a 16-bit place in its block
 
 
 def held_out_ids(llm: LLM, tokens: int) -> torch.Tensor:
@@ -55,48 +80,182 @@ def channel_codes(keys: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     return out
 
 
-def log_probs(llm: LLM, ids: torch.Tensor, fmt: KVFormat | None, pre_rope: bool) -> torch.Tensor:
-    """Next-token log-probabilities [N, vocab] with every layer's keys through fmt."""
+@dataclass(frozen=True)
+class LayerCodebook:
+    """One layer's KVQuant key quantizer, fitted on calibration keys."""
+
+    levels: torch.Tensor  # [2^bits] in [0, 1], increasing
+    low: torch.Tensor  # [H, D] outlier thresholds (keys below are kept exact)
+    high: torch.Tensor  # [H, D] (keys above are kept exact)
+
+
+def _block_ranges(keys: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16-rounded minimum and range [blocks, 1, H, D] per channel of whole blocks of keys."""
+    grouped = keys.unflatten(0, (-1, block))
+    low = grouped.amin(dim=1, keepdim=True).half().float()
+    span = (grouped.amax(dim=1, keepdim=True) - low).half().float()
+    return low, span
+
+
+def fit_codebook(keys: torch.Tensor, bits: int, block: int, codebook: str, outliers: float):
+    """The layer's levels (uniform, or 1-D k-means over its normalised calibration keys) and
+    per-channel outlier thresholds (none when outliers is 0) from pre-RoPE keys [N, H, D]."""
+    if outliers:
+        low = keys.quantile(outliers / 2, dim=0)
+        high = keys.quantile(1 - outliers / 2, dim=0)
+    else:
+        low = torch.full(keys.shape[1:], -math.inf)
+        high = torch.full(keys.shape[1:], math.inf)
+    levels = torch.linspace(0, 1, 2**bits)
+    if codebook != "uniform":
+        whole = keys[: keys.shape[0] // block * block].clamp(low, high)
+        start, span = _block_ranges(whole, block)
+        unit = ((whole.unflatten(0, (-1, block)) - start) / span.clamp(min=1e-6)).flatten()
+        for _ in range(KMEANS_ROUNDS):
+            nearest = (unit[:, None] - levels[None, :]).abs().argmin(dim=1)
+            sums = torch.zeros_like(levels).index_add_(0, nearest, unit)
+            counts = torch.bincount(nearest, minlength=len(levels)).float()
+            levels = torch.where(counts > 0, sums / counts.clamp(min=1), levels).sort().values
+            if codebook == "nuq-ends":  # every block's minimum and maximum stay exact
+                levels[0], levels[-1] = 0.0, 1.0
+    return LayerCodebook(levels, low, high)
+
+
+def kvquant_codes(keys: torch.Tensor, block: int, book: LayerCodebook) -> tuple[torch.Tensor, int]:
+    """(keys [N, H, D] through the codebook with outliers kept exact and the trailing partial
+    block exact, the number of outliers kept)."""
+    full = keys.shape[0] // block * block
+    whole = keys[:full]
+    exact = (whole < book.low) | (whole > book.high)
+    clamped = whole.clamp(book.low, book.high)
+    start, span = _block_ranges(clamped, block)
+    unit = (clamped.unflatten(0, (-1, block)) - start) / span.clamp(min=1e-6)
+    nearest = (unit[..., None] - book.levels).abs().argmin(dim=-1)
+    decoded = (start + book.levels[nearest] * span).flatten(0, 1)
+    out = keys.clone()
+    out[:full] = torch.where(exact, whole, decoded)
+    return out, int(exact.sum())
+
+
+def rope_tables(llm: LLM, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [count, head_dim] of positions 0..count-1, as the model builds them."""
     model = llm.model
-    positions = torch.arange(len(ids))
-    angles = positions.float()[:, None] * model.inv_freq[None, :]
+    angles = torch.arange(count).float()[:, None] * model.inv_freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(model.dtype), angles.sin().to(model.dtype)
+    return angles.cos().to(model.dtype), angles.sin().to(model.dtype)
+
+
+KeyTransform = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+def log_probs(llm: LLM, ids: torch.Tensor, transform: KeyTransform | None) -> torch.Tensor:
+    """Next-token log-probabilities [N, vocab] with every layer's post-RoPE keys through
+    transform(layer, keys) (None: exact)."""
+    model = llm.model
     dense = DenseCausalAttention([len(ids)])
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        if fmt is not None and pre_rope:
-            k = apply_rope(channel_codes(apply_rope(k, cos, -sin), fmt), cos, sin)
-        elif fmt is not None:
-            k = channel_codes(k, fmt)
-        return dense(layer, q, k, v)
+        return dense(layer, q, k if transform is None else transform(layer, k), v)
 
     with torch.no_grad():
-        return model.logits(model.forward(ids, positions, attention)).log_softmax(-1)
+        return model.logits(model.forward(ids, torch.arange(len(ids)), attention)).log_softmax(-1)
+
+
+def pre_rope_keys(llm: LLM, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's keys [N, H, D] turned back to position 0, for the text ids."""
+    cos, sin = rope_tables(llm, len(ids))
+    keys: list[torch.Tensor] = []
+
+    def record(layer: int, k: torch.Tensor) -> torch.Tensor:
+        keys.append(apply_rope(k, cos, -sin).float())
+        return k
+
+    log_probs(llm, ids, record)
+    return keys
+
+
+def codes_transform(fmt: KVFormat, pre_rope: bool, cos, sin) -> KeyTransform:
+    """kvtune's per-channel codes, after RoPE or before it."""
+    if pre_rope:
+        return lambda layer, k: apply_rope(channel_codes(apply_rope(k, cos, -sin), fmt), cos, sin)
+    return lambda layer, k: channel_codes(k, fmt)
+
+
+def kvquant_transform(
+    books: list[LayerCodebook], block: int, cos: torch.Tensor, sin: torch.Tensor, kept: list[int]
+) -> KeyTransform:
+    """Keys turned back to position 0, through the layer's codebook, and turned again; the
+    outliers kept are added to kept[0]."""
+
+    def transform(layer: int, k: torch.Tensor) -> torch.Tensor:
+        decoded, count = kvquant_codes(apply_rope(k, cos, -sin).float(), block, books[layer])
+        kept[0] += count
+        return apply_rope(decoded.to(k.dtype), cos, sin)
+
+    return transform
+
+
+def kl_row(exact: torch.Tensor, quantized: torch.Tensor) -> list[str]:
+    """KL(exact || quantized) and top-1 agreement of scored log-probabilities."""
+    kl = (exact.exp() * (exact - quantized)).sum(-1).mean().item()
+    agree = (exact.argmax(-1) == quantized.argmax(-1)).float().mean().item()
+    return [f"{kl:.4f}", f"{agree:.3f}"]
+
+
+def rope_rows(llm: LLM, ids: torch.Tensor, exact: torch.Tensor, scored: slice) -> list[list[str]]:
+    """kvtune's integer per-channel keys after and before RoPE, values exact."""
+    cos, sin = rope_tables(llm, len(ids))
+    rows = []
+    for bits, block in ROWS:
+        fmt = KVFormat(f"int{bits}", group_size=1, token_group=block)
+        for pre_rope in (False, True):
+            quantized = log_probs(llm, ids, codes_transform(fmt, pre_rope, cos, sin))[scored]
+            where = "before RoPE" if pre_rope else "after RoPE"
+            rows.append([f"K int{bits} channel b{block}, {where}", *kl_row(exact, quantized)])
+    return rows
+
+
+def kvquant_rows(
+    llm: LLM, ids: torch.Tensor, calibration: torch.Tensor, exact: torch.Tensor, scored: slice
+) -> list[list[str]]:
+    """Pre-RoPE keys through KVQuant's codebooks and outliers, values exact."""
+    cos, sin = rope_tables(llm, len(ids))
+    fitted_on = pre_rope_keys(llm, calibration)
+    rows = []
+    for bits, block, codebook, outliers in KVQUANT_ROWS:
+        books = [fit_codebook(keys, bits, block, codebook, outliers) for keys in fitted_on]
+        kept = [0]
+        transform = kvquant_transform(books, block, cos, sin, kept)
+        quantized = log_probs(llm, ids, transform)[scored]
+        elements = len(ids) // block * block * llm.arch.num_kv_heads * llm.arch.head_dim
+        share = kept[0] / (elements * len(books))
+        key_bits = bits + 32 / block + share * OUTLIER_BITS
+        name = f"K {codebook}{bits} channel b{block}, before RoPE, {outliers:.0%} outliers"
+        rows.append([name, f"{key_bits:.2f}", f"{share:.4f}", *kl_row(exact, quantized)])
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--rows", default="rope", choices=("rope", "kvquant"))
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     if args.tokens <= SKIPPED_TOKENS:
         parser.error(f"--tokens: {args.tokens}; allowed: more than {SKIPPED_TOKENS}")
     llm = LLM(args.model, policy=KVPolicy("auto", "auto"), max_model_len=args.tokens)
-    ids = held_out_ids(llm, args.tokens)
+    # The scored text, and (kvquant) as many following tokens to calibrate on.
+    text = held_out_ids(llm, 2 * args.tokens if args.rows == "kvquant" else args.tokens)
+    ids, calibration = text[: args.tokens], text[args.tokens :]
     scored = slice(SKIPPED_TOKENS, None)
-    exact = log_probs(llm, ids, None, False)[scored]
-    rows = []
-    for bits, block in ROWS:
-        fmt = KVFormat(f"int{bits}", group_size=1, token_group=block)
-        for pre_rope in (False, True):
-            quantized = log_probs(llm, ids, fmt, pre_rope)[scored]
-            kl = (exact.exp() * (exact - quantized)).sum(-1).mean().item()
-            agree = (exact.argmax(-1) == quantized.argmax(-1)).float().mean().item()
-            where = "before RoPE" if pre_rope else "after RoPE"
-            rows.append([f"K int{bits} channel b{block}, {where}", f"{kl:.4f}", f"{agree:.3f}"])
-    headers = ["keys (values exact)", "KL", "top-1 agreement"]
+    exact = log_probs(llm, ids, None)[scored]
+    if args.rows == "rope":
+        rows = rope_rows(llm, ids, exact, scored)
+        headers = ["keys (values exact)", "KL", "top-1 agreement"]
+    else:
+        rows = kvquant_rows(llm, ids, calibration, exact, scored)
+        headers = ["keys (values exact)", "bits a key element", "outliers", "KL", "top-1 agreement"]
     print_rows(headers, rows, args.markdown, Console())
 
 
