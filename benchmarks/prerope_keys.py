@@ -11,7 +11,8 @@ of the next-token distribution and top-1 agreement, over a held-out text's token
 first 256.
 
 `--rows kvquant` measures KVQuant's two other parts on pre-RoPE keys: a non-uniform codebook
-(NUQ) per layer, fitted by 1-D k-means to the layer's normalised calibration keys, and dense-and-
+(NUQ) per layer, fitted by 1-D k-means to the layer's normalised calibration keys ("nuq-ends":
+its outer levels pinned to each block's minimum and maximum), and dense-and-
 sparse outliers (per channel, the calibration keys' lower and upper fraction / 2 quantiles are
 thresholds; keys beyond them are kept exact beside the codes, and the block's range is taken
 over the rest). Calibration keys come from the held-out text that follows the scored tokens, so
