@@ -11,8 +11,9 @@ of the next-token distribution and top-1 agreement, over a held-out text's token
 first 256.
 
 `--rows kvquant` measures KVQuant's two other parts on pre-RoPE keys: a non-uniform codebook
-(NUQ) per layer, fitted by 1-D k-means to the layer's normalised calibration keys ("nuq-ends":
-its outer levels pinned to each block's minimum and maximum), and dense-and-
+(NUQ) per layer, fitted by 1-D k-means to the layer's normalised calibration keys, unweighted
+("nuq") or weighted by each key's squared loss gradient ("fisher", KVQuant's objective), "-ends"
+with the outer levels pinned to each block's minimum and maximum; and dense-and-
 sparse outliers (per channel, the calibration keys' lower and upper fraction / 2 quantiles are
 thresholds; keys beyond them are kept exact beside the codes, and the block's range is taken
 over the rest). Calibration keys come from the held-out text that follows the scored tokens, so
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from rich.console import Console
 
 from benchmarks.tables import print_rows
@@ -53,6 +55,9 @@ KVQUANT_ROWS = [
     (3, 64, "nuq-ends", 0.01),
     (3, 128, "nuq", 0.02),
     (4, 128, "nuq", 0.01),
+    (3, 128, "fisher", 0.0),
+    (3, 128, "fisher", 0.01),
+    (3, 128, "fisher-ends", 0.01),
 ]
 KMEANS_ROUNDS = 60
 OUTLIER_BITS = 32  # an fp16 value and a 16-bit place in its block
@@ -98,9 +103,19 @@ def _block_ranges(keys: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.T
     return low, span
 
 
-def fit_codebook(keys: torch.Tensor, bits: int, block: int, codebook: str, outliers: float):
-    """The layer's levels (uniform, or 1-D k-means over its normalised calibration keys) and
-    per-channel outlier thresholds (none when outliers is 0) from pre-RoPE keys [N, H, D]."""
+def fit_codebook(
+    keys: torch.Tensor,
+    weights: torch.Tensor,
+    bits: int,
+    block: int,
+    codebook: str,
+    outliers: float,
+) -> LayerCodebook:
+    """The layer's levels and per-channel outlier thresholds (none when outliers is 0) from
+    pre-RoPE calibration keys [N, H, D]. Levels: uniform; "nuq": 1-D k-means over the keys
+    normalised to their block's range; "fisher": the same weighted by `weights` (each key's
+    squared loss gradient, KVQuant's sensitivity); "-ends": the outer levels pinned to 0 and 1,
+    so that every block's minimum and maximum stay exact."""
     if outliers:
         low = keys.quantile(outliers / 2, dim=0)
         high = keys.quantile(1 - outliers / 2, dim=0)
@@ -108,17 +123,20 @@ def fit_codebook(keys: torch.Tensor, bits: int, block: int, codebook: str, outli
         low = torch.full(keys.shape[1:], -math.inf)
         high = torch.full(keys.shape[1:], math.inf)
     levels = torch.linspace(0, 1, 2**bits)
-    if codebook != "uniform":
-        whole = keys[: keys.shape[0] // block * block].clamp(low, high)
-        start, span = _block_ranges(whole, block)
-        unit = ((whole.unflatten(0, (-1, block)) - start) / span.clamp(min=1e-6)).flatten()
-        for _ in range(KMEANS_ROUNDS):
-            nearest = (unit[:, None] - levels[None, :]).abs().argmin(dim=1)
-            sums = torch.zeros_like(levels).index_add_(0, nearest, unit)
-            counts = torch.bincount(nearest, minlength=len(levels)).float()
-            levels = torch.where(counts > 0, sums / counts.clamp(min=1), levels).sort().values
-            if codebook == "nuq-ends":  # every block's minimum and maximum stay exact
-                levels[0], levels[-1] = 0.0, 1.0
+    if codebook == "uniform":
+        return LayerCodebook(levels, low, high)
+    full = keys.shape[0] // block * block
+    whole = keys[:full].clamp(low, high)
+    start, span = _block_ranges(whole, block)
+    unit = ((whole.unflatten(0, (-1, block)) - start) / span.clamp(min=1e-6)).flatten()
+    weight = weights[:full].flatten() if codebook.startswith("fisher") else torch.ones_like(unit)
+    for _ in range(KMEANS_ROUNDS):
+        nearest = (unit[:, None] - levels[None, :]).abs().argmin(dim=1)
+        sums = torch.zeros_like(levels).index_add_(0, nearest, unit * weight)
+        mass = torch.zeros_like(levels).index_add_(0, nearest, weight)
+        levels = torch.where(mass > 0, sums / mass.clamp(min=1e-30), levels).sort().values
+        if codebook.endswith("-ends"):
+            levels[0], levels[-1] = 0.0, 1.0
     return LayerCodebook(levels, low, high)
 
 
@@ -162,17 +180,28 @@ def log_probs(llm: LLM, ids: torch.Tensor, transform: KeyTransform | None) -> to
         return model.logits(model.forward(ids, torch.arange(len(ids)), attention)).log_softmax(-1)
 
 
-def pre_rope_keys(llm: LLM, ids: torch.Tensor) -> list[torch.Tensor]:
-    """Every layer's keys [N, H, D] turned back to position 0, for the text ids."""
+def pre_rope_keys(llm: LLM, ids: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every layer's keys [N, H, D] turned back to position 0 for the text ids, and the square
+    of the gradient of the text's next-token loss with respect to each of them (KVQuant's
+    Fisher-information sensitivity: the rotation is orthonormal, so the pre-RoPE gradient is the
+    post-RoPE one turned back)."""
+    model = llm.model
     cos, sin = rope_tables(llm, len(ids))
-    keys: list[torch.Tensor] = []
+    dense = DenseCausalAttention([len(ids)])
+    leaves: list[torch.Tensor] = []
 
-    def record(layer: int, k: torch.Tensor) -> torch.Tensor:
-        keys.append(apply_rope(k, cos, -sin).float())
-        return k
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = k.detach().requires_grad_()
+        leaves.append(k)
+        return dense(layer, q, k, v)
 
-    log_probs(llm, ids, record)
-    return keys
+    with torch.enable_grad():
+        hidden = model.forward(ids, torch.arange(len(ids)), attention)
+        loss = F.cross_entropy(model.logits(hidden[:-1]), ids[1:], reduction="sum")
+        loss.backward()
+    keys = [apply_rope(k.detach(), cos, -sin).float() for k in leaves]
+    weights = [apply_rope(k.grad, cos, -sin).float().square() for k in leaves]
+    return keys, weights
 
 
 def codes_transform(fmt: KVFormat, pre_rope: bool, cos, sin) -> KeyTransform:
@@ -221,10 +250,13 @@ def kvquant_rows(
 ) -> list[list[str]]:
     """Pre-RoPE keys through KVQuant's codebooks and outliers, values exact."""
     cos, sin = rope_tables(llm, len(ids))
-    fitted_on = pre_rope_keys(llm, calibration)
+    keys, weights = pre_rope_keys(llm, calibration)
     rows = []
     for bits, block, codebook, outliers in KVQUANT_ROWS:
-        books = [fit_codebook(keys, bits, block, codebook, outliers) for keys in fitted_on]
+        books = [
+            fit_codebook(layer_keys, layer_weights, bits, block, codebook, outliers)
+            for layer_keys, layer_weights in zip(keys, weights, strict=True)
+        ]
         kept = [0]
         transform = kvquant_transform(books, block, cos, sin, kept)
         quantized = log_probs(llm, ids, transform)[scored]
