@@ -288,6 +288,10 @@ class Engine:
     ) -> list[Sequence]:
         finished = []
         now = self.now()
+        # Every sampled row projected at once: the output matrix (the largest weight of a small
+        # model) is then read once a step, not once a sequence.
+        last_rows = [r.stop - 1 for item, r in zip(batch, rows, strict=True) if _samples(item.seq)]
+        next_logits = iter(self.model.logits(hidden[last_rows]) if last_rows else ())
         for item, item_rows in zip(batch, rows, strict=True):
             seq = item.seq
             kv = self.scheduler.kv[seq.seq_id]
@@ -296,9 +300,8 @@ class Engine:
                 self._keep_prompt_logits(seq, hidden, item_rows)
             if seq.num_cached < seq.num_tokens:
                 continue  # more prefill chunks to come
-            if seq.max_new_tokens > len(seq.output_ids):
-                logits = self.model.logits(hidden[item_rows.stop - 1 : item_rows.stop])[0]
-                seq.append_token(self._choose(logits, seq.temperature))
+            if _samples(seq):
+                seq.append_token(self._choose(next(next_logits), seq.temperature))
                 if seq.metrics.first_token is None:
                     seq.metrics.first_token = now
             if not seq.output_ids or seq.should_stop(self.config.max_model_len):
@@ -373,3 +376,8 @@ class Engine:
                 slots = min(bs, stream.length - index * bs)
                 filled += slots * per_slot[block.kind]
         return filled
+
+
+def _samples(seq: Sequence) -> bool:
+    """Whether this step samples a token for seq: its prompt is cached and it may grow."""
+    return seq.num_cached >= seq.num_tokens and seq.max_new_tokens > len(seq.output_ids)
