@@ -29,6 +29,7 @@ from kvtune.runtime.block_manager import (
     SequenceKV,
 )
 from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.host_memory import keep_freed_host_memory
 from kvtune.runtime.kv_bytes import ceil_div, sequence_blocks
 from kvtune.runtime.kv_cache import KVCache, block_bytes
 from kvtune.runtime.policy import KVPolicy
@@ -160,6 +161,7 @@ class Engine:
         self.config = config
         self.device = device
         sizes = pool_sizes(arch, policy, config)
+        keep_freed_host_memory()  # the host tier and the torch path's temporaries live there
         self.block_bytes = block_bytes(arch, policy)
         self.blocks = BlockManager(
             policy,
