@@ -204,7 +204,9 @@ def pre_rope_keys(llm: LLM, ids: torch.Tensor) -> tuple[list[torch.Tensor], list
     return keys, weights
 
 
-def codes_transform(fmt: KVFormat, pre_rope: bool, cos, sin) -> KeyTransform:
+def codes_transform(
+    fmt: KVFormat, pre_rope: bool, cos: torch.Tensor, sin: torch.Tensor
+) -> KeyTransform:
     """kvtune's per-channel codes, after RoPE or before it."""
     if pre_rope:
         return lambda layer, k: apply_rope(channel_codes(apply_rope(k, cos, -sin), fmt), cos, sin)
@@ -214,12 +216,12 @@ def codes_transform(fmt: KVFormat, pre_rope: bool, cos, sin) -> KeyTransform:
 def kvquant_transform(
     books: list[LayerCodebook], block: int, cos: torch.Tensor, sin: torch.Tensor, kept: list[int]
 ) -> KeyTransform:
-    """Keys turned back to position 0, through the layer's codebook, and turned again; the
-    outliers kept are added to kept[0]."""
+    """Keys turned back to position 0, through the layer's codebook, and turned again; each
+    layer's count of outliers kept exact is appended to `kept`."""
 
     def transform(layer: int, k: torch.Tensor) -> torch.Tensor:
         decoded, count = kvquant_codes(apply_rope(k, cos, -sin).float(), block, books[layer])
-        kept[0] += count
+        kept.append(count)
         return apply_rope(decoded.to(k.dtype), cos, sin)
 
     return transform
@@ -257,11 +259,11 @@ def kvquant_rows(
             fit_codebook(layer_keys, layer_weights, bits, block, codebook, outliers)
             for layer_keys, layer_weights in zip(keys, weights, strict=True)
         ]
-        kept = [0]
+        kept: list[int] = []
         transform = kvquant_transform(books, block, cos, sin, kept)
         quantized = log_probs(llm, ids, transform)[scored]
         elements = len(ids) // block * block * llm.arch.num_kv_heads * llm.arch.head_dim
-        share = kept[0] / (elements * len(books))
+        share = sum(kept) / (elements * len(books))
         key_bits = bits + 32 / block + share * OUTLIER_BITS
         name = f"K {codebook}{bits} channel b{block}, before RoPE, {outliers:.0%} outliers"
         rows.append([name, f"{key_bits:.2f}", f"{share:.4f}", *kl_row(exact, quantized)])
