@@ -25,8 +25,9 @@ with csa_staging = streamed, one pool the layers fill in turn: its blocks cost o
 distinct layer format, not of every layer. With csa_index = bounds each pooled block also keeps
 one device slot of key bounds (max in K, min in V), with csa_index = means one K slot of its
 mean key (no V half), packed block_size to a block of the index pool: in the layer's formats
-(csa_index_dtype auto) or in the index dtype. Without summaries (csa_summary none) the summary
-stream is empty.
+(csa_index_dtype auto) or in the index dtype. A layer whose budget is 0 never reads an older
+block exactly, so it keeps neither host copies nor an index. Without summaries (csa_summary
+none) the summary stream is empty.
 With importance keeping (csa_keep) a sequence holds csa_keep * KEEP_GROUP device blocks for every
 group of KEEP_GROUP pooled blocks, counted from the group's first: each layer and KV head copies
 into them the group's blocks that received the most attention (their summaries stay too).
@@ -213,18 +214,25 @@ def kv_bytes_per_token(arch: ModelArch, policy: KVPolicy) -> int:
     return ceil_div(total, bs)
 
 
+def selecting_layers(arch: ModelArch, policy: KVPolicy) -> list[bool]:
+    """Per layer, whether it reads selected older blocks (a budget above 0): only those keep
+    host-tier copies and an index."""
+    return [topk > 0 for topk in policy.layer_topk(arch.num_layers)]
+
+
 def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Device bytes the paged cache holds for one sequence of num_tokens tokens, all layers
     (the staging pool included, the host tier not)."""
     blocks = sequence_blocks(policy, num_tokens)
     bs = policy.block_size
     total = 0
-    for f in layer_formats(arch, policy):
+    formats = layer_formats(arch, policy)
+    for f, selects in zip(formats, selecting_layers(arch, policy), strict=True):
         layer_block = layer_block_bytes(arch, f.k, f.v, bs)
         recent_block = layer_block_bytes(arch, f.k_recent, f.v_recent, bs)
-        index_block = layer_block_bytes(arch, f.k_index, f.v_index, bs)
         total += blocks.main * layer_block + blocks.recent * recent_block
-        total += blocks.index * index_block
+        if selects:
+            total += blocks.index * layer_block_bytes(arch, f.k_index, f.v_index, bs)
     return total + blocks.streamed * streamed_block_bytes(arch, policy)
 
 
@@ -235,16 +243,21 @@ def streamed_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
     return sum(layer_block_bytes(arch, k, v, policy.block_size) for k, v in distinct)
 
 
-def main_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
-    """Bytes of one block in the layers' own formats, summed over layers (a host-tier block,
-    and what fetching one selected block into every layer's staging pool moves)."""
+def host_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
+    """Bytes of one host-tier block: a block in the layers' own formats, summed over the layers
+    that select."""
     bs = policy.block_size
-    return sum(layer_block_bytes(arch, f.k, f.v, bs) for f in layer_formats(arch, policy))
+    formats = layer_formats(arch, policy)
+    return sum(
+        layer_block_bytes(arch, f.k, f.v, bs)
+        for f, selects in zip(formats, selecting_layers(arch, policy), strict=True)
+        if selects
+    )
 
 
 def host_kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Host-tier bytes of one sequence of num_tokens tokens, all layers (0 without one)."""
-    return sequence_blocks(policy, num_tokens).host * main_block_bytes(arch, policy)
+    return sequence_blocks(policy, num_tokens).host * host_block_bytes(arch, policy)
 
 
 def max_fetch_bytes_per_step(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:

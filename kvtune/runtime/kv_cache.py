@@ -59,7 +59,12 @@ from kvtune.runtime.block_manager import (
 )
 from kvtune.runtime.clip_counter import ClipCounter, range_limit
 from kvtune.runtime.kept_blocks import KeptBlocks
-from kvtune.runtime.kv_bytes import layer_block_bytes, layer_formats, streamed_block_bytes
+from kvtune.runtime.kv_bytes import (
+    layer_block_bytes,
+    layer_formats,
+    selecting_layers,
+    streamed_block_bytes,
+)
 from kvtune.runtime.policy import KVPolicy
 
 
@@ -132,13 +137,17 @@ def layer_rotations(
 
 
 def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
-    """Bytes one block id costs across all layers, for each block kind."""
+    """Bytes one block id costs across all layers, for each device block kind (an index
+    block only in the layers that select)."""
     formats = layer_formats(arch, policy)
+    indexed = [
+        f for f, selects in zip(formats, selecting_layers(arch, policy), strict=True) if selects
+    ]
     bs = policy.block_size
     return {
         MAIN: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in formats),
         RECENT: sum(layer_block_bytes(arch, f.k_recent, f.v_recent, bs) for f in formats),
-        INDEX: sum(layer_block_bytes(arch, f.k_index, f.v_index, bs) for f in formats),
+        INDEX: sum(layer_block_bytes(arch, f.k_index, f.v_index, bs) for f in indexed),
         STAGE: streamed_block_bytes(arch, policy),
     }
 
@@ -179,7 +188,9 @@ class KVCache:
         )
         self.layer_bytes = [layer_block_bytes(arch, f.k, f.v, bs) for f in all_formats]
         shared_stages: dict[tuple[KVFormat, KVFormat], tuple[KVPool, KVPool]] = {}
-        for formats, (k_scale, v_scale) in zip(all_formats, tensor_scales, strict=True):
+        for formats, (k_scale, v_scale), topk in zip(
+            all_formats, tensor_scales, self.layer_topk, strict=True
+        ):
             k_pools = {
                 MAIN: KVPool.allocate(formats.k, counts[MAIN], bs, heads, size, k_scale, device)
             }
@@ -193,7 +204,8 @@ class KVCache:
                 v_pools[RECENT] = KVPool.allocate(
                     formats.v_recent, counts[RECENT], bs, heads, size, None, device
                 )
-            if counts[INDEX]:
+            # A layer whose budget is 0 never reads an older block exactly: no index, no copies.
+            if counts[INDEX] and topk:
                 for pools, fmt, scale in (
                     (k_pools, formats.k_index, k_scale),
                     (v_pools, formats.v_index, v_scale),
@@ -204,7 +216,7 @@ class KVCache:
                     pools[INDEX] = KVPool.allocate(
                         fmt, counts[INDEX], bs, heads, size, scale, device
                     )
-            if counts[HOST]:
+            if counts[HOST] and topk:
                 for pools, fmt, scale in (
                     (k_pools, formats.k, k_scale),
                     (v_pools, formats.v, v_scale),
@@ -361,6 +373,8 @@ class KVCache:
         pools = self.layers[layer]
         bs = self.policy.block_size
         for group in groups:
+            if group.dst_kind not in pools.k:  # the host tier or index of a layer without them
+                continue
             rotation = self.rotations[layer] if self.policy.separate_index else None
             if group.op == "bounds":
                 write_key_bounds(
@@ -434,6 +448,7 @@ class KVCache:
                 spec.hidden_from,
             )
             for spec in layout.streams
+            if spec.kind in pools.k
         }
         positions = None if layout.decode_only else layout.q_positions
         index = streams.pop("index" + INDEX, None)  # read by selection, not attended
@@ -505,8 +520,7 @@ class KVCache:
         per_block = bs // policy.csa_ratio
         summary_key, host_key = "summary" + MAIN, "host" + HOST
         topk = self.layer_topk[layer]
-        if topk == 0:
-            del streams[host_key]
+        if topk == 0:  # the layer holds no host tier
             return
         chosen = select_blocks(
             q,

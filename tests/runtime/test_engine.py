@@ -173,8 +173,12 @@ POLICIES_FOR_BYTES = [
     ),
     # Selection without summaries: the host tier, staging pool and key bounds alone.
     SELECTING.replace(csa_summary="none", csa_topk=2, recent_unquantized=8, chunk_size=24),
-    # Per-layer budgets (one layer reads none): the staging pool follows the largest.
-    SELECTING.replace(csa_topk=0, layer_csa_topk=(0, 3), csa_staging="streamed", chunk_size=24),
+    # Per-layer budgets (one layer reads none, and holds no host tier or index): the staging
+    # pool follows the largest, streamed or resident.
+    *(
+        SELECTING.replace(csa_topk=0, layer_csa_topk=(0, 3), csa_staging=staging, chunk_size=24)
+        for staging in ("streamed", "resident")
+    ),
     # Selection beside rotated per-channel int4 keys, with the key bounds or the mean keys (an
     # index pool without a V half) in an int4 index.
     *(

@@ -241,10 +241,12 @@ def test_a_streamed_staging_pool_costs_one_block_of_each_distinct_layer_format()
     expected = mixed_resident + 32 * (fp16_block + layer_block)
     assert kv_bytes_per_sequence(SMOL, mixed, 2048) == expected
     # Per-layer budgets share the pool, sized by the largest: 48 in the last 10 layers, 16 in
-    # the other 20 (one of them 0) fetch (10 x 48 + 19 x 16) layer blocks a step.
+    # the other 20 (one of them 0) fetch (10 x 48 + 19 x 16) layer blocks a step. The layer
+    # with budget 0 keeps neither its 7 index blocks nor host copies.
     pyramid = policy.replace(csa_topk=0, layer_csa_topk=(0,) + (16,) * 19 + (48,) * 10)
-    assert kv_bytes_per_sequence(SMOL, pyramid, 2048) == resident_device + 48 * layer_block
-    assert host_kv_bytes_per_sequence(SMOL, pyramid, 2048) == 111 * 30 * layer_block
+    pyramid_device = resident_device - 7 * layer_block + 48 * layer_block
+    assert kv_bytes_per_sequence(SMOL, pyramid, 2048) == pyramid_device
+    assert host_kv_bytes_per_sequence(SMOL, pyramid, 2048) == 111 * 29 * layer_block
     assert max_fetch_bytes_per_step(SMOL, pyramid, 2048) == (10 * 48 + 19 * 16) * layer_block
     # At 400 tokens (16 sinks, 256 window) 8 blocks are older: no layer fetches more.
     assert max_fetch_bytes_per_step(SMOL, pyramid, 400) == 29 * 8 * layer_block
