@@ -231,8 +231,10 @@ class Engine:
         held = self.blocks.held(kv)
         return sum(held[kind] * self.block_bytes[kind] for kind in DEVICE_KINDS)
 
+    @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """Run one batch; returns the sequences that finished in it."""
+        """Run one batch; returns the sequences that finished in it. In inference mode: no
+        autograd bookkeeping on any op (a selecting decode step runs thousands of small ones)."""
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("scheduler produced an empty batch while requests are queued")
