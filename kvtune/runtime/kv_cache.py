@@ -34,6 +34,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress
 
 import torch
 
@@ -603,10 +604,12 @@ class KVCache:
         )
         reads, writes, slices = [], [], []
         for head, picks in enumerate(chosen):
-            wanted = {kv.host_blocks[i] for i, pick in enumerate(picks) if pick}
+            # Set operations and compress run in C: a decode step does this for every layer
+            # and KV head over all older blocks.
+            wanted = set(compress(kv.host_blocks, picks))
             holds = staged[head]  # staging block -> host block whose slice it holds
-            free = [b for b in slots if holds.get(b) not in wanted]
-            missing = sorted(wanted - set(holds.values()))
+            missing = sorted(wanted.difference(holds.values()))
+            free = (b for b in slots if holds.get(b) not in wanted)  # taken while missing lasts
             for host, staging in zip(missing, free, strict=False):
                 holds[staging] = host
                 reads.append(host)
