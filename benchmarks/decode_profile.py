@@ -1,0 +1,149 @@
+"""Where a decode step's attention time goes: fp16 against a selecting CSA policy, stage by stage.
+
+    python -m benchmarks.decode_profile [--policy NAME] [--context 4096] [--steps 24] [--batch 1]
+
+Both engines decode the same random prompts and step in turns (as `benchmarks.compression`
+times them); every stage below is timed by wrapping the runtime's own functions for the run:
+the KV cache's attend (all of a layer's cache work), the attention call, the cache write, the
+maintenance copies, block scoring and choice (select_blocks), the host-tier fetch, and the
+rotations of queries, keys, values and outputs. Prints milliseconds per step (medians of the
+step totals; stage times are means, summed over layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import kvtune.runtime.kv_cache as kv_cache
+from benchmarks.compression import DECODE_HEADROOM, POLICIES
+from benchmarks.decoding import finish_running, start_decoding
+from benchmarks.tables import print_rows
+from kvtune.runtime.llm import LLM
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
+
+DEFAULT_POLICY = "int4 K channel / V rotated w256 + top80 host no summaries int4 index"
+FP16 = KVPolicy("fp16", "fp16")
+# (stage, owner, attribute): what each stage wraps.
+STAGES = [
+    ("cache work (attend)", kv_cache.KVCache, "attend"),
+    ("  attention", None, "attention"),
+    ("  cache write", None, "write_kv"),
+    ("  maintenance copies", kv_cache.KVCache, "_run_copies"),
+    ("  block scoring and choice", kv_cache, "select_blocks"),
+    ("  host-tier fetch", kv_cache.KVCache, "_fetch"),
+    ("  rotations", kv_cache, "rotate"),
+    ("  rotations", kv_cache, "rotate_queries"),
+    ("  rotations", kv_cache, "unrotate"),
+]
+
+
+class StageClock:
+    """Seconds spent in each stage, per engine label, while `label` names the stepping engine."""
+
+    def __init__(self) -> None:
+        self.label = ""
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+
+    def timed(self, stage: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[(self.label, stage)] += time.perf_counter() - started
+
+        return wrapper
+
+
+@contextmanager
+def wrapped(clock: StageClock, engines: list[LLM]) -> Iterator[None]:
+    """Every stage of STAGES timed by clock, restored afterwards."""
+    saved = []
+    for stage, owner, name in STAGES:
+        if owner is None:  # a backend op: each engine's cache holds its own CacheOps
+            continue
+        saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, clock.timed(stage, getattr(owner, name)))
+    ops = [llm.engine.cache.ops for llm in engines]
+    for llm in engines:
+        cache = llm.engine.cache
+        timed = {
+            name: clock.timed(stage, getattr(cache.ops, name))
+            for stage, owner, name in STAGES
+            if owner is None
+        }
+        cache.ops = dataclasses.replace(cache.ops, **timed)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
+        for llm, original_ops in zip(engines, ops, strict=True):
+            llm.engine.cache.ops = original_ops
+
+
+def profile(
+    base: LLM, llm: LLM, context: int, steps: int, batch: int
+) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """(median step ms per label, stage ms per step per (label, stage)) over `steps` steps."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 20_000, (context,), generator=generator) for _ in range(batch)]
+    runs = {"fp16": base, "policy": llm}
+    for run in runs.values():
+        start_decoding(run.engine, [prompt.tolist() for prompt in prompts], DECODE_HEADROOM)
+    clock = StageClock()
+    totals: dict[str, list[float]] = defaultdict(list)
+    with wrapped(clock, list(runs.values())):
+        for _ in range(steps):
+            for label, run in runs.items():
+                clock.label = label
+                started = time.perf_counter()
+                run.engine.step()
+                totals[label].append(time.perf_counter() - started)
+    for run in runs.values():
+        finish_running(run.engine)
+    medians = {label: sorted(t)[len(t) // 2] * 1000 for label, t in totals.items()}
+    stages = {key: seconds * 1000 / steps for key, seconds in clock.seconds.items()}
+    return medians, stages
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--policy", default=DEFAULT_POLICY, help="a benchmarks.compression row")
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    if args.policy not in POLICIES:
+        parser.error(f"--policy: unknown {args.policy!r}; known: {', '.join(POLICIES)}")
+    if args.steps < 1 or args.batch < 1:
+        parser.error("--steps and --batch: allowed: positive counts")
+    length = args.context + DECODE_HEADROOM + 8
+    base = LLM(
+        resolve_model("smollm2-135m"), policy=FP16, max_model_len=length, max_num_seqs=args.batch
+    )
+    llm = base.with_policy(POLICIES[args.policy])
+    medians, stages = profile(base, llm, args.context, args.steps, args.batch)
+    rows = [["step (median)", f"{medians['fp16']:.1f}", f"{medians['policy']:.1f}"]]
+    for stage in dict.fromkeys(stage for stage, _, _ in STAGES):
+        rows.append(
+            [stage, *(f"{stages.get((label, stage), 0.0):.1f}" for label in ("fp16", "policy"))]
+        )
+    headers = ["ms a step", "fp16", args.policy]
+    print_rows(headers, rows, args.markdown, Console())
+    print(f"policy step / fp16 step: {medians['policy'] / medians['fp16']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
