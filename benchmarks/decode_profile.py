@@ -7,7 +7,10 @@ times them); every stage below is timed by wrapping the runtime's own functions 
 the KV cache's attend (all of a layer's cache work), the attention call, the cache write, the
 maintenance copies, block scoring and choice (select_blocks), the host-tier fetch, and the
 rotations of queries, keys, values and outputs. Prints milliseconds per step (medians of the
-step totals; stage times are means, summed over layers).
+step totals; stage times are means, summed over layers) and the torch operator calls of one
+more step under the profiler (calls made from Python, each stage counting those inside it): on
+a CPU a selecting step is bound by calls, not bytes, and the counts do not drift with the
+machine's load as times do.
 """
 
 from __future__ import annotations
@@ -47,15 +50,23 @@ STAGES = [
 ]
 
 
+STAGE_MARK = "stage: "
+
+
 class StageClock:
-    """Seconds spent in each stage, per engine label, while `label` names the stepping engine."""
+    """Seconds spent in each stage, per engine label, while `label` names the stepping engine;
+    with `marking`, each stage call is also a profiler range named STAGE_MARK + stage."""
 
     def __init__(self) -> None:
         self.label = ""
+        self.marking = False
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
 
     def timed(self, stage: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if self.marking:
+                with torch.profiler.record_function(STAGE_MARK + stage):
+                    return function(*args, **kwargs)
             started = time.perf_counter()
             try:
                 return function(*args, **kwargs)
@@ -63,6 +74,33 @@ class StageClock:
                 self.seconds[(self.label, stage)] += time.perf_counter() - started
 
         return wrapper
+
+
+def operator_calls(run: LLM, clock: StageClock) -> dict[str, int]:
+    """Torch operator calls made from Python in one step of run (those an operator makes
+    inside itself are not counted), in all ("step") and within each stage."""
+    clock.marking = True
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run.engine.step()
+    finally:
+        clock.marking = False
+    calls: dict[str, int] = defaultdict(int)
+    for event in prof.events():
+        parent = event.cpu_parent
+        if not event.name.startswith("aten::") or (
+            parent is not None and parent.name.startswith("aten::")
+        ):
+            continue
+        calls["step"] += 1
+        stages = set()
+        while parent is not None:
+            if parent.name.startswith(STAGE_MARK):
+                stages.add(parent.name.removeprefix(STAGE_MARK))
+            parent = parent.cpu_parent
+        for stage in stages:
+            calls[stage] += 1
+    return calls
 
 
 @contextmanager
@@ -94,8 +132,9 @@ def wrapped(clock: StageClock, engines: list[LLM]) -> Iterator[None]:
 
 def profile(
     base: LLM, llm: LLM, context: int, steps: int, batch: int
-) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
-    """(median step ms per label, stage ms per step per (label, stage)) over `steps` steps."""
+) -> tuple[dict[str, float], dict[tuple[str, str], float], dict[str, dict[str, int]]]:
+    """(median step ms per label, stage ms per step per (label, stage)) over `steps` steps,
+    and each label's operator calls in one more step (`operator_calls`)."""
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(100, 20_000, (context,), generator=generator) for _ in range(batch)]
     runs = {"fp16": base, "policy": llm}
@@ -110,11 +149,12 @@ def profile(
                 started = time.perf_counter()
                 run.engine.step()
                 totals[label].append(time.perf_counter() - started)
+        calls = {label: operator_calls(run, clock) for label, run in runs.items()}
     for run in runs.values():
         finish_running(run.engine)
     medians = {label: sorted(t)[len(t) // 2] * 1000 for label, t in totals.items()}
     stages = {key: seconds * 1000 / steps for key, seconds in clock.seconds.items()}
-    return medians, stages
+    return medians, stages, calls
 
 
 def main() -> None:
@@ -134,14 +174,26 @@ def main() -> None:
         resolve_model("smollm2-135m"), policy=FP16, max_model_len=length, max_num_seqs=args.batch
     )
     llm = base.with_policy(POLICIES[args.policy])
-    medians, stages = profile(base, llm, args.context, args.steps, args.batch)
-    rows = [["step (median)", f"{medians['fp16']:.1f}", f"{medians['policy']:.1f}"]]
+    medians, stages, calls = profile(base, llm, args.context, args.steps, args.batch)
+    labels = ("fp16", "policy")
+    rows = [
+        [
+            "step (median)",
+            *(f"{medians[label]:.1f}" for label in labels),
+            *(str(calls[label]["step"]) for label in labels),
+        ]
+    ]
     for stage in dict.fromkeys(stage for stage, _, _ in STAGES):
         rows.append(
-            [stage, *(f"{stages.get((label, stage), 0.0):.1f}" for label in ("fp16", "policy"))]
+            [
+                stage,
+                *(f"{stages.get((label, stage), 0.0):.1f}" for label in labels),
+                *(str(calls[label].get(stage, 0)) for label in labels),
+            ]
         )
-    headers = ["ms a step", "fp16", args.policy]
+    headers = ["a step", "fp16 ms", "policy ms", "fp16 calls", "policy calls"]
     print_rows(headers, rows, args.markdown, Console())
+    print(f"policy: {args.policy}")
     print(f"policy step / fp16 step: {medians['policy'] / medians['fp16']:.2f}")
 
 
