@@ -27,7 +27,7 @@ import time
 import torch
 from rich.console import Console
 
-from benchmarks.decoding import finish_running, start_decoding
+from benchmarks.decoding import finish_running, random_prompts, start_decoding
 from benchmarks.eval_validity import cached_evaluate, fmt, mean_result, with_seed
 from benchmarks.formats import FP16, bytes_ratio
 from benchmarks.tables import print_rows
@@ -212,10 +212,9 @@ def decode_timing(
     each after its own `context`-token prompt, the same prompts in both engines. The two
     engines step in turns, so that a shared machine's load drifts into both medians alike."""
     engines = [base.engine, llm.engine]
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 20_000, (context,), generator=generator) for _ in range(batch)]
+    prompts = random_prompts(context, batch)
     for engine in engines:
-        start_decoding(engine, [prompt.tolist() for prompt in prompts], DECODE_HEADROOM)
+        start_decoding(engine, prompts, DECODE_HEADROOM)
     before = llm.engine.stats()["kv_fetched_bytes"]
     times: list[list[float]] = [[], []]
     for _ in range(steps):

@@ -28,7 +28,7 @@ from rich.console import Console
 
 import kvtune.runtime.kv_cache as kv_cache
 from benchmarks.compression import DECODE_HEADROOM, POLICIES
-from benchmarks.decoding import finish_running, start_decoding
+from benchmarks.decoding import finish_running, random_prompts, start_decoding
 from benchmarks.tables import print_rows
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.model_source import resolve_model
@@ -48,8 +48,7 @@ STAGES = [
     ("  rotations", kv_cache, "rotate_queries"),
     ("  rotations", kv_cache, "unrotate"),
 ]
-
-
+# The profiler range name of a stage call, in the step whose operator calls are counted.
 STAGE_MARK = "stage: "
 
 
@@ -135,11 +134,10 @@ def profile(
 ) -> tuple[dict[str, float], dict[tuple[str, str], float], dict[str, dict[str, int]]]:
     """(median step ms per label, stage ms per step per (label, stage)) over `steps` steps,
     and each label's operator calls in one more step (`operator_calls`)."""
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(100, 20_000, (context,), generator=generator) for _ in range(batch)]
+    prompts = random_prompts(context, batch)
     runs = {"fp16": base, "policy": llm}
     for run in runs.values():
-        start_decoding(run.engine, [prompt.tolist() for prompt in prompts], DECODE_HEADROOM)
+        start_decoding(run.engine, prompts, DECODE_HEADROOM)
     clock = StageClock()
     totals: dict[str, list[float]] = defaultdict(list)
     with wrapped(clock, list(runs.values())):

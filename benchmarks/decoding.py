@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from kvtune.runtime.engine import Engine
+
+
+def random_prompts(context: int, batch: int) -> list[list[int]]:
+    """`batch` prompts of `context` random ids (seed 0): the same prompts in every engine timed."""
+    generator = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(100, 20_000, (context,), generator=generator).tolist() for _ in range(batch)
+    ]
 
 
 def start_decoding(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> None:

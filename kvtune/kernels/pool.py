@@ -161,8 +161,9 @@ def _whole_token_groups(slots: torch.Tensor, rows: int) -> bool:
 
 
 def _same_tensor_scale(a: KVPool, b: KVPool) -> bool:
-    """Whether two pools' tensor scales are equal; one storage is (a decode step fetches in
-    every layer, where comparing the values cost a third of a small fetch)."""
+    """Whether two pools' tensor scales are equal: at once when they share one storage, else
+    by value (a decode step fetches in every layer, where comparing values cost a third of a
+    small fetch)."""
     same_storage = (
         a.tensor_scale.device == b.tensor_scale.device
         and a.tensor_scale.data_ptr() == b.tensor_scale.data_ptr()
