@@ -10,10 +10,11 @@
 # environment; kernel tests compiled on CUDA (KVTUNE_TEST_DEVICE=cuda) beside the engine tests
 # on CUDA; the 4K decode step of CSA selection against fp16, the host tier in pinned memory,
 # resident and streamed staging (benchmarks/compression.py); where quantized decode spends its
-# time (benchmarks/decode_stages.py) and the decode benchmark (benchmarks/kernels.py); retention of one policy under `triton_tf32` and `triton` (kvtune
-# evaluate); tf32 vs ieee dots (kernels and engine logits, benchmarks/dot_precision.py);
-# serving on the embedded model; a 6-trial study on runtime.backend=triton_tf32
-# runtime.device=cuda.
+# time (benchmarks/decode_stages.py) and the decode benchmark (benchmarks/kernels.py, with the
+# decode scoring kernel of CSA selection); retention of one policy under `triton_tf32` and
+# `triton` (kvtune evaluate); tf32 vs ieee dots (kernels and engine logits,
+# benchmarks/dot_precision.py); serving on the embedded model; a 6-trial study on
+# runtime.backend=triton_tf32 runtime.device=cuda.
 #
 # What travels (64 MiB a call, working tree included; .gpu_carry/ is git-ignored and what a call
 # carries stays on the device while it is warm, ~30 s between calls). Prepare here with

@@ -7,6 +7,10 @@ fp16 paged kernel and over `F.scaled_dot_product_attention` on a dense fp16 cach
     python -m benchmarks.kernels                  # CUDA: full grid (batch 1/8/32, 4K/32K/128K)
     python -m benchmarks.kernels --smoke          # a small grid; on CPU, the torch paths
 
+Each (batch, context) also times CSA selection's decode scoring: every query head's Quest bound
+against a separate int4 key-bounds index of one vector a block (what a selecting decode step
+reads besides the blocks it picks), so "vs fp16 paged" is its cost against dense attention.
+
 On CUDA it times the `triton_tf32` backend's kernels. On CPU (no CUDA, or --device cpu) the
 runtime's `torch` backend (all streams in one SDPA call) runs on a tiny grid instead of the
 Triton kernels (no interpreter), so that the table and its columns can be checked anywhere.
@@ -31,7 +35,9 @@ from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.attention_torch import cache_attention_torch
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import KVPool
+from kvtune.kernels.selection import index_products_torch
 from kvtune.runtime.backends import cache_ops
+from kvtune.runtime.kv_bytes import index_format
 
 FORMATS = {
     "fp16": KVFormat("fp16"),
@@ -222,6 +228,26 @@ def kernel_error(
     return float((out - expected).norm() / expected.norm())
 
 
+INDEX_SCORES = "int4 bounds index scores"
+
+
+def measure_index_scores(batch: int, context: int, shape: Shape, grid: Grid, device: str) -> Row:
+    """Decode scoring of a key-bounds index (int4, maxima in K, minima in V) for `context`
+    tokens: one vector a block."""
+    fmt = index_format("int4")
+    length = max(1, context // shape.block_size)
+    index = random_stream(fmt, shape, batch, length, 1, 0.0, device)
+    q = torch.randn(batch, shape.num_q_heads, shape.head_dim, device=device)
+    products = cache_ops(backend_for(device)).index_products
+    ms = time_ms(lambda: products(q, index, length, "bounds"), grid.iterations, device)
+    note = "torch"
+    if device == "cuda":
+        expected = index_products_torch(q, index, length, "bounds")
+        got = products(q, index, length, "bounds")
+        note = f"rel err {float((got - expected).norm() / expected.norm()):.1e}"
+    return Row(INDEX_SCORES, batch, context, ms, kv_bytes(fmt, shape, batch * length), note)
+
+
 def measure_sdpa(batch: int, context: int, shape: Shape, grid: Grid, device: str) -> Row:
     """Decode time of SDPA on a dense [batch, Hkv, context, D] cache (fp16 on GPU)."""
     dtype = torch.float16 if device == "cuda" else torch.float32
@@ -281,6 +307,15 @@ def run_grid(shape: Shape, grid: Grid, device: str) -> list[Row]:
                             device,
                         )
                     )
+            index_bytes = kv_bytes(index_format("int4"), shape, batch * context)
+            rows.append(
+                guarded(
+                    lambda b=batch, c=context: measure_index_scores(b, c, shape, grid, device),
+                    Row(INDEX_SCORES, batch, context),
+                    index_bytes,
+                    device,
+                )
+            )
     return rows
 
 

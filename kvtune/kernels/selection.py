@@ -21,14 +21,17 @@ Three indexes:
   all summaries it sees, summed over the block's summaries and the KV head's query heads. No
   extra bytes, but the mean of r keys dilutes the one key a query looks for.
 
-This is the torch path (both backends call it: it reads only the index, a 1 / block_size or
-1 / r fraction of the older cache). Decode therefore never scores or gathers the exact older
-cache.
+Selection reads only the index, a 1 / block_size or 1 / r fraction of the older cache, so
+decode never scores or gathers the exact older cache. Both backends turn products into picks
+here; a decode step's products come from the backend (`index_products_torch`, or the Triton
+kernel of `kvtune.kernels.selection_decode` that reads the index in place), a prefill step's
+from torch (one call a chunk, with the visibility rules of attention).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,27 +87,32 @@ def _head_products(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return products.view(seqs, kv_heads, count, group, -1).transpose(1, 2)
 
 
-def _mean_scores(queries: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-    """[S, C, Hkv, L]: per KV head, the largest q.mean key over its query heads.
-    queries [S, C, Hkv, g, D]; means [S, L, Hkv, D]."""
-    return _head_products(queries, means).amax(dim=3)
-
-
-def _bound_scores(queries: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-    """[S, C, Hkv, L]: per KV head, the largest upper bound of q.k over its query heads.
-    queries [S, C, Hkv, g, D]; hi, lo [S, L, Hkv, D]."""
-    upper = _head_products(queries.clamp(min=0), hi)
-    upper += _head_products(queries.clamp(max=0), lo)
-    return upper.amax(dim=3)
-
-
-def _summary_scores(
-    queries: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float
+def _rule_products(
+    kind: str, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 ) -> torch.Tensor:
-    """[S, C, Hkv, L]: per KV head, the attention its query heads give each summary."""
-    logits = _head_products(queries, keys) * scale
-    logits = logits.masked_fill(~visible[:, :, None, None, :], -math.inf)
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=3)
+    """[S, C, Hkv, g, L]: what each query head's rule scores an index vector by (the upper
+    bound of q.k for bounds, q.k otherwise). queries [S, C, Hkv, g, D]; keys, values
+    [S, L, Hkv, D] (values: a bounds index's minima)."""
+    if kind != "bounds":
+        return _head_products(queries, keys)
+    upper = _head_products(queries.clamp(min=0), keys)
+    upper += _head_products(queries.clamp(max=0), values)
+    return upper
+
+
+def index_products_torch(
+    q: torch.Tensor, index: PagedStream, length: int, kind: str
+) -> torch.Tensor:
+    """fp32 [S, Hq, length]: each decode query q [S, Hq, D] (one a sequence) with each of its
+    sequence's index vectors by the rule of `kind`; undefined past a sequence's length (the
+    rule masks those). The torch twin of `kvtune.kernels.selection_decode.index_products`."""
+    keys, values, _ = gather_stream(index, length, with_values=kind == "bounds", zero_padding=False)
+    queries = _grouped_queries(q, keys.shape[2])
+    return _rule_products(kind, queries, keys, values).flatten(2, 3)[:, 0]
+
+
+# Decode products of (q, index, longest length, kind), as the two functions above compute them.
+IndexProducts = Callable[[torch.Tensor, PagedStream, int, str], torch.Tensor]
 
 
 def select_blocks(
@@ -116,6 +124,7 @@ def select_blocks(
     topk: int,
     scale: float,
     kind: str = "summaries",
+    decode_products: IndexProducts = index_products_torch,
 ) -> torch.Tensor:
     """bool [Nq, Hkv, blocks]: the older blocks each packed query reads exactly, per KV head.
 
@@ -124,7 +133,8 @@ def select_blocks(
     read) or summaries (kind "summaries", block j's at
     j * vectors_per_block ... (j + 1) * vectors_per_block - 1); blocks: the most any sequence
     of the batch has. A query picks among the blocks whose index vectors it sees (decode: all
-    of its sequence's), at most topk of them.
+    of its sequence's), at most topk of them. decode_products: how a decode step computes its
+    products (the torch path or the Triton kernel); a prefill step's are computed in torch.
     """
     length = int(index.lengths.max())
     num_blocks = math.ceil(length / vectors_per_block)
@@ -134,12 +144,11 @@ def select_blocks(
         return selected
     rule = _BlockRule(kind, vectors_per_block, topk, scale)
     if q_positions is None:  # decode: one query a sequence, every index vector visible
-        # The rule masks rows past each length (scores there become -inf), so they need no
-        # zeroing.
-        keys, values, valid = gather_stream(
-            index, length, with_values=kind == "bounds", zero_padding=False
-        )
-        chosen = rule.choose(_grouped_queries(q, keys.shape[2]), keys, values, valid[:, None])
+        products = decode_products(q, index, length, kind)
+        kv_heads = index.num_kv_heads
+        products = products.view(q.shape[0], 1, kv_heads, q.shape[1] // kv_heads, length)
+        valid = torch.arange(length, device=q.device)[None, :] < index.lengths[:, None]
+        chosen = rule.choose(products, valid[:, None])
         selected[:, :, : chosen.shape[-1]] = chosen[:, 0]
         return selected
     for group in query_groups(q_seq_starts):
@@ -148,7 +157,8 @@ def select_blocks(
             continue
         queries = _grouped_queries(q[group.rows], gathered.keys.shape[2])
         visible = gathered.visible[:, 0]  # [S, C, L]: an index stream has no query_mask
-        chosen = rule.choose(queries, gathered.keys, gathered.values, visible)
+        products = _rule_products(kind, queries, gathered.keys, gathered.values)
+        chosen = rule.choose(products, visible)
         selected[group.rows.flatten(), :, : chosen.shape[-1]] = chosen.flatten(0, 1)
     return selected
 
@@ -168,18 +178,17 @@ class _BlockRule:
     topk: int
     scale: float
 
-    def choose(
-        self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-    ) -> torch.Tensor:
-        """bool [S, C, Hkv, blocks]: each query's picks. queries [S, C, Hkv, g, D]; keys,
-        values [S, L, Hkv, D]; visible bool [S, C, L]."""
-        seqs, length, kv_heads, _ = keys.shape
-        if self.kind == "bounds":
-            scores = _bound_scores(queries, keys, values)
-        elif self.kind == "means":
-            scores = _mean_scores(queries, keys)
+    def choose(self, products: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """bool [S, C, Hkv, blocks]: each query's picks. products [S, C, Hkv, g, L]
+        (`_rule_products`); visible bool [S, C, L]. Bounds and means: a KV head scores a
+        vector by its query heads' largest product; summaries: by the attention its query
+        heads give it (each head's softmax over the summaries it sees, summed)."""
+        seqs, _, kv_heads, _, length = products.shape
+        if self.kind == "summaries":
+            logits = (products * self.scale).masked_fill(~visible[:, :, None, None, :], -math.inf)
+            scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=3)
         else:
-            scores = _summary_scores(queries, keys, visible, self.scale)
+            scores = products.amax(dim=3)
         per_block = self.vectors_per_block
         blocks = length // per_block
         block_scores = scores.view(seqs, -1, kv_heads, blocks, per_block).sum(-1)

@@ -4,10 +4,11 @@
 attention over all of a sequence's streams in one fused SDPA call (kernels/attention_torch.py,
 checked against the per-stream references merged by log-sum-exp). `triton` runs the kernels
 (GPU, or the CPU under TRITON_INTERPRET=1 for tests): one attention launch per stream, then the
-merge kernel, with fp32 (ieee) dot products. `triton_tf32` is the same with tf32 tensor-core dots
-on a GPU: it stays a separate backend until a GPU run shows what tf32 costs in logits and
-retention (benchmarks/gpu_check.sh measures it). All share signatures, so the cache code is the
-same.
+merge kernel, and one launch to score a decode step's index, with fp32 (ieee) dot products.
+`triton_tf32` is the same with tf32 tensor-core dots in attention on a GPU (index scores stay
+fp32: a top k must not turn on rounding): it stays a separate backend until a GPU run shows
+what tf32 costs in logits and retention (benchmarks/gpu_check.sh measures it). All share
+signatures, so the cache code is the same.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from kvtune.kernels.attention_merge import merge_attention
 from kvtune.kernels.attention_torch import cache_attention_torch
 from kvtune.kernels.cache_write import write_kv, write_kv_ref
 from kvtune.kernels.compress import compress_blocks, compress_blocks_ref
+from kvtune.kernels.selection import IndexProducts, index_products_torch
+from kvtune.kernels.selection_decode import index_products
 from kvtune.runtime.errors import ConfigError
 
 
@@ -34,6 +37,9 @@ class CacheOps:
     # fp32 [Nq, Hq, D] of packed queries over a list of streams that together are each
     # sequence's cache; positions None = decode.
     attention: Callable
+    # fp32 [S, Hq, L] products of one decode query a sequence with its index vectors, which
+    # block selection turns into picks (`kvtune.kernels.selection.IndexProducts`).
+    index_products: IndexProducts
 
 
 def cache_attention_triton(
@@ -59,10 +65,15 @@ def cache_attention_triton(
 
 
 BACKENDS: dict[str, CacheOps] = {
-    "torch": CacheOps(write_kv_ref, compress_blocks_ref, cache_attention_torch),
-    "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton),
+    "torch": CacheOps(
+        write_kv_ref, compress_blocks_ref, cache_attention_torch, index_products_torch
+    ),
+    "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton, index_products),
     "triton_tf32": CacheOps(
-        write_kv, compress_blocks, partial(cache_attention_triton, dot_precision="tf32")
+        write_kv,
+        compress_blocks,
+        partial(cache_attention_triton, dot_precision="tf32"),
+        index_products,
     ),
 }
 

@@ -532,6 +532,7 @@ class KVCache:
             topk,
             scale,
             policy.csa_index,
+            self.ops.index_products,
         )
         if policy.summarises:
             streams[summary_key] = dataclasses.replace(

@@ -153,6 +153,7 @@ def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_resu
     assert remote.stats()["kv_fetched_bytes"] > 0
 
 
+STAGINGS = ["resident", "streamed"]
 QUEST = SELECT.replace(
     k_dtype="fp16", v_dtype="fp16", csa_summary="none", csa_topk=3, chunk_size=32
 )
@@ -235,16 +236,24 @@ def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(
     assert relative_error(quest_attention(q, k, v, other, seen[0][4]), expected) > 1e-3
 
 
-@pytest.mark.parametrize("staging", ["resident", "streamed"])
-@pytest.mark.parametrize("budgets", [(1, 3), (0, 2)])
-def test_each_layer_reads_its_own_budget_in_prefill_and_decode(tiny_llama, budgets, staging):
+@pytest.mark.parametrize(
+    ("budgets", "staging", "backend"),
+    [
+        *((budgets, staging, "torch") for budgets in [(1, 3), (0, 2)] for staging in STAGINGS),
+        # The Triton path: decode steps score the index with the kernel that reads it in place.
+        ((1, 3), "resident", "triton"),
+    ],
+)
+def test_each_layer_reads_its_own_budget_in_prefill_and_decode(
+    tiny_llama, budgets, staging, backend
+):
     """Per-layer budgets (layer_csa_topk, PyramidKV-style): each layer's attention output over
     a chunked prefill and decode steps equals the Quest rule computed here with that layer's
     budget (0: sinks and window only), and a decode step fetches min(budget, older blocks)
     blocks in each layer."""
     policy = QUEST.replace(csa_topk=0, layer_csa_topk=budgets, csa_staging=staging)
     assert policy.csa_topk == max(budgets)
-    llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
+    llm = LLM(str(tiny_llama), policy=policy, backend=backend, max_model_len=256)
     engine = llm.engine
     seen: dict[int, list] = {0: [], 1: []}
     original = KVCache.attend
