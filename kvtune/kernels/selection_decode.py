@@ -24,8 +24,15 @@ import triton.language as tl
 from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.quantize import format_switches, load_dequant_tile
 
-# Index vectors a program scores.
-BLOCK_L = 64
+# Index elements a program dequantizes at once (BLOCK_L vectors of BLOCK_D). Compiled for sm_90
+# at 4 warps, 2048 keeps bounds at 124 registers a thread with no spills, where 64 vectors of
+# 128 spill (benchmarks/kernel_registers.py).
+TILE_ELEMENTS = 2048
+
+
+def tile_vectors(head_dim: int) -> int:
+    """Index vectors one program scores."""
+    return max(16, TILE_ELEMENTS // triton.next_power_of_2(head_dim))
 
 
 @triton.jit
@@ -68,6 +75,7 @@ def _index_products_kernel(
     fp32 on the vector units: a handful of query heads would waste most of a tl.dot tile, and
     tf32 dots could reorder a top k.
     """
+    group: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     first = tl.program_id(2) * BLOCK_L
@@ -110,7 +118,6 @@ def _index_products_kernel(
                 V_SCALE_DTYPE,
                 V_TOKEN_GROUP,
             )
-        group: tl.constexpr = NUM_Q_HEADS // NUM_KV_HEADS
         for member in tl.static_range(group):
             head = kv_head * group + member
             q_row = q_ptr + seq.to(tl.int64) * stride_q_seq + head * stride_q_head
@@ -140,7 +147,8 @@ def index_products(q: torch.Tensor, index: PagedStream, length: int, kind: str) 
     out = torch.zeros(num_seqs, num_q_heads, length, dtype=torch.float32, device=q.device)
     if num_seqs == 0 or length == 0:
         return out
-    grid = (num_seqs, index.num_kv_heads, triton.cdiv(length, BLOCK_L))
+    block_l = tile_vectors(head_dim)
+    grid = (num_seqs, index.num_kv_heads, triton.cdiv(length, block_l))
     k, v = index.k, index.v
     _index_products_kernel[grid](
         q,
@@ -166,7 +174,7 @@ def index_products(q: torch.Tensor, index: PagedStream, length: int, kind: str) 
         BOUNDS=kind == "bounds",
         **format_switches(k.fmt, "K_"),
         **format_switches(v.fmt, "V_"),
-        BLOCK_L=BLOCK_L,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_L=block_l,
+        BLOCK_D=triton.next_power_of_2(head_dim),
     )
     return out

@@ -19,7 +19,7 @@ from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import KVPool, read_vectors_ref, write_vectors_ref
 from kvtune.kernels.selection import index_products_torch, select_blocks
-from kvtune.kernels.selection_decode import BLOCK_L, index_products
+from kvtune.kernels.selection_decode import index_products, tile_vectors
 from tests.kernels.test_selection import (
     _bounds_reference,
     _means_reference,
@@ -107,7 +107,7 @@ def _products_reference(q: torch.Tensor, index: PagedStream, kind: str) -> list[
 @pytest.mark.parametrize(("q_heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 1, 128), (2, 2, 64)])
 def test_products_match_the_definition(fmt, kind, q_heads, kv_heads, head_dim):
     generator = torch.Generator().manual_seed(len(fmt) + q_heads + head_dim)
-    lengths = [BLOCK_L + 23, 5, 0, 2 * BLOCK]  # past one tile, ragged, empty, whole blocks
+    lengths = [2 * tile_vectors(head_dim) + 7, 5, 0, 2 * BLOCK]  # tiles, ragged, empty, blocks
     index = _index(FORMATS[fmt], lengths, kv_heads, head_dim, generator)
     q = torch.randn(len(lengths), q_heads, head_dim, generator=generator)
     products = index_products(q, index, max(lengths), kind)
