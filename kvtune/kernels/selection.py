@@ -111,7 +111,8 @@ def index_products_torch(
     return _rule_products(kind, queries, keys, values).flatten(2, 3)[:, 0]
 
 
-# Decode products of (q, index, longest length, kind), as the two functions above compute them.
+# Decode products of (q, index, longest length, kind): `index_products_torch` or the Triton
+# launcher `kvtune.kernels.selection_decode.index_products`.
 IndexProducts = Callable[[torch.Tensor, PagedStream, int, str], torch.Tensor]
 
 
