@@ -108,7 +108,7 @@ def index_products_torch(
     rule masks those). The torch twin of `kvtune.kernels.selection_decode.index_products`."""
     keys, values, _ = gather_stream(index, length, with_values=kind == "bounds", zero_padding=False)
     queries = _grouped_queries(q, keys.shape[2])
-    return _rule_products(kind, queries, keys, values).flatten(2, 3)[:, 0]
+    return _rule_products(kind, queries, keys, values).view(q.shape[0], q.shape[1], length)
 
 
 # Decode products of (q, index, longest length, kind): `index_products_torch` or the Triton
@@ -148,8 +148,10 @@ def select_blocks(
         products = decode_products(q, index, length, kind)
         kv_heads = index.num_kv_heads
         products = products.view(q.shape[0], 1, kv_heads, q.shape[1] // kv_heads, length)
-        valid = torch.arange(length, device=q.device)[None, :] < index.lengths[:, None]
-        chosen = rule.choose(products, valid[:, None])
+        valid = None  # one sequence: its length is the longest, it sees every vector
+        if index.num_seqs > 1:
+            valid = (torch.arange(length, device=q.device) < index.lengths[:, None])[:, None]
+        chosen = rule.choose(products, valid)
         selected[:, :, : chosen.shape[-1]] = chosen[:, 0]
         return selected
     for group in query_groups(q_seq_starts):
@@ -179,22 +181,28 @@ class _BlockRule:
     topk: int
     scale: float
 
-    def choose(self, products: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def choose(self, products: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
         """bool [S, C, Hkv, blocks]: each query's picks. products [S, C, Hkv, g, L]
-        (`_rule_products`); visible bool [S, C, L]. Bounds and means: a KV head scores a
-        vector by its query heads' largest product; summaries: by the attention its query
-        heads give it (each head's softmax over the summaries it sees, summed)."""
+        (`_rule_products`); visible bool [S, C, L], None when every query sees every vector
+        (a decode step of one sequence: a few small ops fewer in every layer). Bounds and
+        means: a KV head scores a vector by its query heads' largest product; summaries: by
+        the attention its query heads give it (each head's softmax over the summaries it
+        sees, summed)."""
         seqs, _, kv_heads, _, length = products.shape
         if self.kind == "summaries":
-            logits = (products * self.scale).masked_fill(~visible[:, :, None, None, :], -math.inf)
+            logits = products * self.scale
+            if visible is not None:
+                logits = logits.masked_fill(~visible[:, :, None, None, :], -math.inf)
             scores = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=3)
         else:
             scores = products.amax(dim=3)
         per_block = self.vectors_per_block
         blocks = length // per_block
-        block_scores = scores.view(seqs, -1, kv_heads, blocks, per_block).sum(-1)
-        block_seen = visible.view(seqs, -1, 1, blocks, per_block).all(-1)
-        block_scores = block_scores.masked_fill(~block_seen, -math.inf)
+        block_scores = scores.view(seqs, -1, kv_heads, blocks, per_block)
+        block_scores = block_scores.sum(-1) if per_block > 1 else block_scores.squeeze(-1)
+        if visible is not None:
+            block_seen = visible.view(seqs, -1, 1, blocks, per_block).all(-1)
+            block_scores = block_scores.masked_fill(~block_seen, -math.inf)
         best = block_scores.topk(min(self.topk, blocks), dim=-1).indices
         chosen = torch.zeros_like(block_scores, dtype=torch.bool).scatter(-1, best, True)
-        return chosen & block_seen
+        return chosen if visible is None else chosen & block_seen

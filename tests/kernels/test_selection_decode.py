@@ -132,20 +132,22 @@ def test_per_channel_scales_shared_by_a_block_are_read_by_row():
         )
 
 
+@pytest.mark.parametrize("lengths", [[24, 8, 16], [24]])  # one sequence: no validity mask
 @pytest.mark.parametrize("kind", ["bounds", "means", "summaries"])
-def test_the_kernel_and_torch_pick_the_definitions_blocks(kind):
+def test_the_kernel_and_torch_pick_the_definitions_blocks(kind, lengths):
     """select_blocks with either decode path picks what the definition picks."""
     generator = torch.Generator().manual_seed(30)
-    stream = _stream([24, 8, 16], generator)
-    q = torch.randn(3, 6, 16, generator=generator)
-    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    stream = _stream(lengths, generator)
+    seqs = list(range(len(lengths)))
+    q = torch.randn(len(lengths), 6, 16, generator=generator)
+    starts = torch.arange(len(lengths) + 1, dtype=torch.int32)
     per_block = 2 if kind == "summaries" else 1
     if kind == "bounds":
         expected = _bounds_reference(q, stream, 3)
     elif kind == "means":
         expected = _means_reference(q, stream, 3)
     else:
-        expected = _reference(q, [0, 1, 2], stream, per_block, 3, 0.25)
+        expected = _reference(q, seqs, stream, per_block, 3, 0.25)
     for products in (index_products_torch, index_products):
         chosen = select_blocks(q, None, starts, stream, per_block, 3, 0.25, kind, products)
         assert torch.equal(chosen, expected), products.__name__
