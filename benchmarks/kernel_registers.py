@@ -17,6 +17,7 @@ import re
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import triton
 from rich.console import Console
@@ -24,10 +25,13 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.tables import print_rows
+from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.quantize import format_switches
 from kvtune.kernels.selection_decode import _index_products_kernel, tile_vectors
 from kvtune.runtime.kv_bytes import index_format
 
+# Pointer types of the kernel's arguments for an index in a quantized format with fp16 scales
+# (codes and scales of a plain fp16 index are fp16); unlisted arguments are int32.
 POINTERS = {
     "q_ptr": "*fp32",
     "k_codes_ptr": "*u8",
@@ -61,9 +65,12 @@ def ptxas_report(ptx: str, arch: int) -> tuple[int, int]:
     return registers, spills
 
 
-def compile_ptx(layer: tuple[int, int, int], bounds: bool, block_l: int, arch: int) -> str:
+def compile_index_kernel(
+    layer: tuple[int, int, int], fmt: KVFormat, bounds: bool, block_l: int, arch: int = 90
+) -> Any:
+    """The scoring kernel compiled for sm_{arch} (no GPU needed) for a layer of (query heads,
+    KV heads, head_dim) and an index in `fmt`, as its launcher would build it."""
     q_heads, kv_heads, head_dim = layer
-    fmt = index_format("int4")
     constants = {
         "NUM_Q_HEADS": q_heads,
         "NUM_KV_HEADS": kv_heads,
@@ -75,11 +82,14 @@ def compile_ptx(layer: tuple[int, int, int], bounds: bool, block_l: int, arch: i
         "BLOCK_L": block_l,
         "BLOCK_D": triton.next_power_of_2(head_dim),
     }
+    pointers = POINTERS
+    if not fmt.quantized:
+        pointers = {**POINTERS, "k_codes_ptr": "*fp16", "v_codes_ptr": "*fp16"}
     kernel = _index_products_kernel
-    signature = {name: POINTERS.get(name, "i32") for name in kernel.arg_names}
+    signature = {name: pointers.get(name, "i32") for name in kernel.arg_names}
     signature.update(dict.fromkeys(constants, "constexpr"))
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32)).asm["ptx"]
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32))
 
 
 def main() -> None:
@@ -91,9 +101,10 @@ def main() -> None:
     for layer in LAYERS:
         for rule, bounds in (("bounds", True), ("means", False)):
             for block_l in dict.fromkeys((tile_vectors(layer[2]), 64)):
-                registers, spills = ptxas_report(
-                    compile_ptx(layer, bounds, block_l, args.arch), args.arch
+                kernel = compile_index_kernel(
+                    layer, index_format("int4"), bounds, block_l, args.arch
                 )
+                registers, spills = ptxas_report(kernel.asm["ptx"], args.arch)
                 heads = f"{layer[0]} / {layer[1]} x {layer[2]}"
                 rows.append([heads, rule, str(block_l), str(registers), str(spills)])
     headers = ["query / KV heads x head_dim", "rule", "vectors a tile", "registers", "spill bytes"]

@@ -440,30 +440,12 @@ def compile_attention_for_cuda() -> None:
 
 def compile_index_scoring_for_cuda() -> None:
     """CSA selection's decode scoring kernel: bounds and means, an int4 and an fp16 index."""
-    from kvtune.kernels import selection_decode
+    from benchmarks.kernel_registers import compile_index_kernel
+    from kvtune.kernels.selection_decode import tile_vectors
 
-    index_pointers = {
-        "q_ptr": "*fp32",
-        "k_codes_ptr": "*u8",
-        "k_scales_ptr": "*fp16",
-        "k_tensor_scale_ptr": "*fp32",
-        "v_codes_ptr": "*u8",
-        "v_scales_ptr": "*fp16",
-        "v_tensor_scale_ptr": "*fp32",
-        "block_table_ptr": "*i32",
-        "lengths_ptr": "*i32",
-        "out_ptr": "*fp32",
-    }
-    shape = {"NUM_Q_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_SIZE": 16}
-    tiles = {"BLOCK_L": selection_decode.tile_vectors(128), "BLOCK_D": 128}
     for fmt in (KVFormat("int4", 32, "fp16"), KVFormat("fp16")):
-        pointers = index_pointers
-        if not fmt.quantized:
-            pointers = {**index_pointers, "k_codes_ptr": "*fp16", "v_codes_ptr": "*fp16"}
-        switches = {**format_switches(fmt, "K_"), **format_switches(fmt, "V_")}
         for bounds in (True, False):
-            constexprs = {**shape, "BOUNDS": bounds, **switches, **tiles}
-            _compile_for_sm90(selection_decode._index_products_kernel, pointers, constexprs)
+            compile_index_kernel((32, 8, 128), fmt, bounds, tile_vectors(128))
 
 
 @pytest.mark.slow
