@@ -137,6 +137,12 @@ class SequenceKV:
     # [KV heads, older blocks] attention received so far (kept by the KV cache).
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
     importance: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Selection reused across positions (kvtune.runtime.select_anchors): per layer, the latest
+    # anchor's scoring query and the last decode choice [KV heads][older blocks], and the
+    # (anchor, older blocks) that choice was made for (None: nothing staged to reuse).
+    anchor_queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    choices: dict[int, list[list[bool]]] = field(default_factory=dict)
+    selected_for: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ prefill chunk reads the selected blocks where they are (each query its own choic
 decode step fetches them into the sequence's staging blocks, reusing those still there, and
 counts the bytes it moved. A streamed staging pool (policy.streams_staging) is one tensor per
 distinct layer format that every layer of that format fills in turn: each step refetches every
-layer's choice into it.
+layer's choice into it. With csa_select_every > 1 a query is scored by its anchor's query
+(`select_anchors`), and a decode step whose choice would not change reuses the staged one.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from kvtune.runtime.kv_bytes import (
     streamed_block_bytes,
 )
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.select_anchors import AnchorPlan, plan_anchors, scoring_queries
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,8 @@ class StepLayout:
     streams: list[StreamSpec]
     copies: list[CopyGroup]
     kvs: list[SequenceKV]
+    # Where selection takes each query's scoring query (csa_select_every > 1), else None.
+    anchors: AnchorPlan | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -290,6 +294,7 @@ class KVCache:
         for seq_positions in positions:
             starts.append(starts[-1] + len(seq_positions))
         flat_slots = [slot for seq_slots in slots for slot in seq_slots]
+        every = self.policy.csa_select_every
         return StepLayout(
             slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=self.device),
             q_positions=self._int32([p for seq_positions in positions for p in seq_positions]),
@@ -298,6 +303,7 @@ class KVCache:
             streams=self._stream_specs(kvs),
             copies=self._copy_groups(copies),
             kvs=kvs,
+            anchors=plan_anchors(kvs, positions, every, self.device) if every > 1 else None,
         )
 
     def _lifetime(self, name: str, kind: str) -> tuple[int | None, int | None]:
@@ -454,8 +460,12 @@ class KVCache:
         positions = None if layout.decode_only else layout.q_positions
         index = streams.pop("index" + INDEX, None)  # read by selection, not attended
         index = index or streams.get("summary" + MAIN)
+        scored = q_model if self.policy.separate_index else q
+        plan = layout.anchors
+        if plan is not None and plan.reselects and self.layer_topk[layer]:
+            # Kept from the first step on, before any block is old enough to select.
+            scored = scoring_queries(plan, layer, scored)
         if index is not None and self.policy.selects:
-            scored = q_model if self.policy.separate_index else q
             self._select(layer, layout, scored, positions, scale, streams, index)
         if self.kept is not None:
             self._keep(layer, layout, q, scale, streams)
@@ -512,7 +522,7 @@ class KVCache:
         index: PagedStream,
     ) -> None:
         """Each query's older blocks (the layer's budget), scored on `index` (key bounds, means
-        or summaries) with q in the index's basis:
+        or summaries) with q in the index's basis (each query's anchor query, `select_anchors`):
         their summaries (if any) hidden from it, their exact form shown (in place in the host
         tier for a prefill step, fetched for a decode step). A layer whose budget is 0 reads
         what a compressed layer without selection reads."""
@@ -523,17 +533,22 @@ class KVCache:
         topk = self.layer_topk[layer]
         if topk == 0:  # the layer holds no host tier
             return
-        chosen = select_blocks(
-            q,
-            positions,
-            layout.q_seq_starts,
-            index,
-            per_block if policy.csa_index == "summaries" else 1,
-            topk,
-            scale,
-            policy.csa_index,
-            self.ops.index_products,
-        )
+        plan = layout.anchors
+        reuses = positions is None and plan is not None and not plan.reselects
+        if reuses:
+            chosen = self._last_choices(layer, layout.kvs)
+        else:
+            chosen = select_blocks(
+                q,
+                positions,
+                layout.q_seq_starts,
+                index,
+                per_block if policy.csa_index == "summaries" else 1,
+                topk,
+                scale,
+                policy.csa_index,
+                self.ops.index_products,
+            )
         if policy.summarises:
             streams[summary_key] = dataclasses.replace(
                 streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=2)
@@ -546,9 +561,14 @@ class KVCache:
                 host, query_mask=chosen.repeat_interleave(bs, dim=2)
             )
             return
-        staged = [
-            self._fetch(layer, kv, row) for kv, row in zip(layout.kvs, chosen.tolist(), strict=True)
-        ]
+        if reuses:
+            staged = [self._restage(layer, kv) for kv in layout.kvs]
+        else:
+            staged = []
+            for kv, row in zip(layout.kvs, chosen.tolist(), strict=True):
+                if plan is not None:
+                    kv.choices[layer] = row
+                staged.append(self._fetch(layer, kv, row))
         pools, kind = self.layers[layer], self.blocks.staging_kind
         streams["staging" + MAIN] = PagedStream(
             pools.k[kind],
@@ -557,6 +577,25 @@ class KVCache:
             self._int32([len(ids) * bs for ids in staged]),
             host.start_positions,
         )
+
+    def _last_choices(self, layer: int, kvs: list[SequenceKV]) -> torch.Tensor | None:
+        """bool [S, Hkv, blocks]: the choices of the sequences' last decode selection in
+        `layer`, for the summaries they hide (None without summaries: only staging reads
+        them). Each row is as wide as its batch's longest then, and no sequence has gained an
+        older block since, so the widest row covers every sequence now."""
+        if not self.policy.summarises:
+            return None
+        rows = [kv.choices[layer] for kv in kvs]
+        width = max(len(heads[0]) for heads in rows)
+        padded = [[head + [False] * (width - len(head)) for head in heads] for heads in rows]
+        return torch.tensor(padded, dtype=torch.bool, device=self.device)
+
+    def _restage(self, layer: int, kv: SequenceKV) -> list[int]:
+        """The staging blocks of kv's last choice in `layer`, made again: a resident pool still
+        holds it; a streamed one holds the previous layer's blocks and fetches it again."""
+        if self.blocks.staging_kind == STAGE:
+            return self._fetch(layer, kv, kv.choices[layer])
+        return kv.staging_blocks[: self.layer_topk[layer]]
 
     def _host_is_remote(self, host: PagedStream) -> bool:
         """Whether the host tier lives off the device (pinned host memory beside a GPU), where

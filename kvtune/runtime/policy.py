@@ -185,6 +185,12 @@ class KVPolicy:
         blocks its heads newly chose) or streamed (one staging pool, in each distinct layer
         format, that the layers fill in turn: every step fetches every layer's choice, for
         about 1 / num_layers of the staging bytes; ShadowKV, InfiniGen).
+    csa_select_every: N > 1 reuses a choice for N positions (LServe's reusable page
+        selector): a query is scored by the query at its anchor, the latest position that is a
+        multiple of N, over the older blocks it sees itself. Consecutive queries pick much the
+        same blocks, so a decode step between anchors reuses the staged choice (no scoring, no
+        fetch, no host sync) unless a block has left the window since; prefill scores its
+        queries by the same anchors, so teacher-forced accuracy measures what decode does.
     csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
         per layer and KV head by the attention they received while in the window (H2O /
         SnapKV style, from queries that already ran): in every group of 8 consecutive older
@@ -223,6 +229,7 @@ class KVPolicy:
     csa_index_dtype: str = INDEX_IN_LAYER_FORMAT
     csa_host: bool = False
     csa_staging: str = RESIDENT_STAGING
+    csa_select_every: int = 1
     csa_keep: float = 0.0
     block_size: int = 16
     chunk_size: int = 512
@@ -419,6 +426,13 @@ class KVPolicy:
                 _field("csa_staging"),
                 self.csa_staging,
                 f"{RESIDENT_STAGING} unless csa_topk > 0 (only selection fetches into staging)",
+            )
+        _check_int("csa_select_every", self.csa_select_every, 1)
+        if self.csa_select_every > 1 and not self.csa_topk:
+            raise ConfigError(
+                _field("csa_select_every"),
+                self.csa_select_every,
+                "1 unless csa_topk > 0 (it reuses a selection)",
             )
         if self.csa_host and not self.csa_topk:
             raise ConfigError(

@@ -359,24 +359,28 @@ def test_the_4bit_selection_start_pairs_channel_keys_with_a_separate_index():
     assert streaming.policy(twin) == policy.replace(csa_staging="streamed")
 
 
-def test_staging_is_drawn_only_with_selection():
-    """csa_staging stays resident wherever nothing is selected (KVPolicy's rule), and both
-    stagings are drawn with selection."""
+@pytest.mark.parametrize(
+    ("knob", "candidates"),
+    [("csa_staging", ["resident", "streamed"]), ("csa_select_every", [1, 4])],
+)
+def test_selection_knobs_are_drawn_only_with_selection(knob, candidates):
+    """csa_staging and csa_select_every keep their first value (resident, 1) wherever nothing
+    is selected (KVPolicy's rules), and every candidate is drawn with selection."""
     search = space(
         csa_ratio=[1, 2],
         csa_window=[256],
         csa_topk=[0, 16],
-        csa_staging=["resident", "streamed"],
         block_size=[16],
         chunk_size=[256],
+        **{knob: candidates},
     )
     seen = set()
     for drawn in valid_draws(search, 60, seed=4):
         if not drawn.selects:
-            assert drawn.csa_staging == "resident"
+            assert getattr(drawn, knob) == candidates[0]
         else:
-            seen.add(drawn.csa_staging)
-    assert seen == {"resident", "streamed"}
+            seen.add(getattr(drawn, knob))
+    assert seen == set(candidates)
 
 
 def test_kept_blocks_are_drawn_only_where_the_policy_rules_allow_them():

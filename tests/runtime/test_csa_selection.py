@@ -7,9 +7,12 @@ behind compared bit for bit under two different questions.
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 
+import kvtune.runtime.engine as engine_module
 from kvtune.runtime import LLM
 from kvtune.runtime.block_manager import HOST, MAIN
 from kvtune.runtime.kv_cache import KVCache
@@ -166,6 +169,7 @@ def quest_attention(
     policy: KVPolicy,
     scale: float,
     topk: int | None = None,
+    select_every: int = 1,
 ) -> torch.Tensor:
     """[N, Hq, D]: attention without summaries from its definition (Quest). Query p reads the
     sinks, the window (the layout decode holds when p arrives: a block has left it once
@@ -173,7 +177,8 @@ def quest_attention(
     blocks with the
     largest score max over its query heads: with csa_index bounds sum_d max(q_d hi_d, q_d lo_d),
     hi / lo the per-channel key max / min of the block; with means q.m, m the mean of the
-    block's keys. Nothing of the other older blocks."""
+    block's keys. Nothing of the other older blocks. With select_every = N, the scores are
+    those of the query at p - p % N (LServe's reused selection), over the blocks p sees."""
     sinks, bs, window = policy.csa_sinks, policy.block_size, policy.csa_window
     topk = policy.csa_topk if topk is None else topk
     num_q, kv_heads, per_kv = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
@@ -187,12 +192,13 @@ def quest_attention(
             seen[sinks + older * bs :] = True
             blocks = keys[sinks : sinks + older * bs, h].view(older, bs, keys.shape[-1])
             queries = q[p, h * per_kv : (h + 1) * per_kv]  # [per_kv, D]
+            anchor = q[p - p % select_every, h * per_kv : (h + 1) * per_kv]
             if policy.csa_index == "means":
-                score = queries @ blocks.mean(1).T  # [per_kv, older]
+                score = anchor @ blocks.mean(1).T  # [per_kv, older]
             else:
                 score = torch.maximum(
-                    queries[:, None, :] * blocks.amax(1)[None],
-                    queries[:, None, :] * blocks.amin(1)[None],
+                    anchor[:, None, :] * blocks.amax(1)[None],
+                    anchor[:, None, :] * blocks.amin(1)[None],
                 ).sum(-1)
             for block in score.amax(0).topk(min(topk, older)).indices.tolist():
                 seen[sinks + block * bs : sinks + (block + 1) * bs] = True
@@ -236,6 +242,37 @@ def test_attention_without_summaries_reads_sinks_window_and_the_quest_selection(
     assert relative_error(quest_attention(q, k, v, other, seen[0][4]), expected) > 1e-3
 
 
+def prefill_and_decode(
+    llm: LLM, prompt: list[int], steps: int
+) -> tuple[dict[int, tuple], list[int]]:
+    """Prefill prompt in QUEST's chunks, then decode `steps` steps: per layer of the tiny model,
+    the (q, k, v, out) its attention received and returned over every step, concatenated,
+    and the scale; and the bytes each decode step fetched."""
+    engine = llm.engine
+    seen: dict[int, list] = {0: [], 1: []}
+    original = KVCache.attend
+
+    def attend(self, layer, layout, q, k, v, scale):
+        out = original(self, layer, layout, q, k, v, scale)
+        seen[layer].append((q.clone(), k.clone(), v.clone(), out.clone()))
+        return out
+
+    engine.cache.attend = attend.__get__(engine.cache)
+    engine.add_request(prompt, max_new_tokens=steps + 1)
+    while len(seen[0]) < -(-len(prompt) // QUEST.chunk_size):
+        engine.step()
+    fetched = []
+    for _ in range(steps):
+        before = engine.stats()["kv_fetched_bytes"]
+        engine.step()
+        fetched.append(engine.stats()["kv_fetched_bytes"] - before)
+    concatenated = {
+        layer: (*(torch.cat([part[i] for part in parts]) for i in range(4)), llm.engine.scale)
+        for layer, parts in seen.items()
+    }
+    return concatenated, fetched
+
+
 @pytest.mark.parametrize(
     ("budgets", "staging", "backend"),
     [
@@ -254,29 +291,11 @@ def test_each_layer_reads_its_own_budget_in_prefill_and_decode(
     policy = QUEST.replace(csa_topk=0, layer_csa_topk=budgets, csa_staging=staging)
     assert policy.csa_topk == max(budgets)
     llm = LLM(str(tiny_llama), policy=policy, backend=backend, max_model_len=256)
-    engine = llm.engine
-    seen: dict[int, list] = {0: [], 1: []}
-    original = KVCache.attend
-
-    def attend(self, layer, layout, q, k, v, scale):
-        out = original(self, layer, layout, q, k, v, scale)
-        seen[layer].append((q.clone(), k.clone(), v.clone(), out.clone(), scale))
-        return out
-
-    engine.cache.attend = attend.__get__(engine.cache)
     prompt = random_tokens(120, seed=20)
-    engine.add_request(prompt, max_new_tokens=4)
-    chunks = -(-len(prompt) // QUEST.chunk_size)
-    while len(seen[0]) < chunks:
-        engine.step()
-    fetched = []
-    for _ in range(3):
-        before = engine.stats()["kv_fetched_bytes"]
-        engine.step()
-        fetched.append(engine.stats()["kv_fetched_bytes"] - before)
+    seen, fetched = prefill_and_decode(llm, prompt, 3)
     for layer, budget in enumerate(budgets):
-        q, k, v, out = (torch.cat([part[i] for part in seen[layer]]) for i in range(4))
-        expected = quest_attention(q, k, v, policy, seen[layer][0][4], topk=budget)
+        q, k, v, out, scale = seen[layer]
+        expected = quest_attention(q, k, v, policy, scale, topk=budget)
         assert relative_error(out, expected) <= 1e-5, layer
     heads = llm.arch.num_kv_heads
     vector = 2 * heads * llm.arch.head_dim * 2  # K and V of one token, 2 bytes an element
@@ -286,3 +305,86 @@ def test_each_layer_reads_its_own_budget_in_prefill_and_decode(
         assert fetched == [every_block] * 3
     else:
         assert 0 < fetched[0] <= every_block and all(f <= every_block for f in fetched)
+
+
+@pytest.mark.parametrize(
+    ("staging", "backend"), [("resident", "torch"), ("streamed", "torch"), ("resident", "triton")]
+)
+def test_a_reused_choice_is_the_quest_selection_of_the_anchor_query(tiny_llama, staging, backend):
+    """csa_select_every = 3: every layer's attention output over a chunked prefill (chunks of
+    32 split anchors from their queries) and nine decode steps equals the Quest rule computed
+    here with each query scored by the query at its anchor; a decode step between anchors
+    without a new older block reuses the staged choice: a resident pool fetches nothing, a
+    streamed one refetches it."""
+    policy = QUEST.replace(csa_select_every=3, csa_staging=staging)
+    llm = LLM(str(tiny_llama), policy=policy, backend=backend, max_model_len=256)
+    prompt = random_tokens(120, seed=21)
+    seen, fetched_by_step = prefill_and_decode(llm, prompt, 9)
+    for layer in (0, 1):
+        q, k, v, out, scale = seen[layer]
+        expected = quest_attention(q, k, v, policy, scale, select_every=3)
+        assert relative_error(out, expected) <= 1e-5, layer
+        every_step = quest_attention(q, k, v, policy, scale)
+        assert relative_error(every_step, expected) > 1e-4, layer  # the anchors matter
+    fetched = dict(enumerate(fetched_by_step, start=len(prompt)))  # by query position
+    sinks, window = QUEST.csa_sinks, QUEST.csa_window
+    new_block = {p for p in fetched if (p - sinks - window) % BLOCK == 0}
+    reused = [p for p in fetched if p % 3 and p not in new_block]
+    assert reused == [121, 122, 125, 127, 128]
+    if staging == "resident":
+        assert all(fetched[p] == 0 for p in reused)
+        assert fetched[len(prompt)] > 0
+    else:
+        assert len(set(fetched.values())) == 1 and fetched[len(prompt)] > 0
+
+
+def sampled_logits(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:
+    """Per prompt, the logits [new_tokens, vocab] its greedy generation sampled from."""
+    engine = llm.engine
+    captured: dict[int, list[torch.Tensor]] = defaultdict(list)
+    sample, project = engine._sample, engine.model.logits
+
+    def recording_sample(batch, hidden, rows):
+        ids = [item.seq.seq_id for item in batch if engine_module._samples(item.seq)]
+
+        def logits(selected_hidden):
+            out = project(selected_hidden)
+            for seq_id, row in zip(ids, out, strict=True):
+                captured[seq_id].append(row.float())
+            return out
+
+        engine.model.logits = logits
+        try:
+            return sample(batch, hidden, rows)
+        finally:
+            engine.model.logits = project
+
+    engine._sample = recording_sample
+    try:
+        results = llm.generate(prompts, max_new_tokens=new_tokens)
+    finally:
+        del engine._sample  # the class's again
+    assert all(len(r.token_ids) == new_tokens for r in results)
+    return [torch.stack(captured[seq_id]) for seq_id in sorted(captured)]
+
+
+def test_batched_decode_with_reused_choices_equals_one_sequence_at_a_time(tiny_llama):
+    """Sequences of a batch reach their anchors and gain older blocks at different steps: a
+    step that reselects for one rescores the others by their own anchors, and a step that
+    reuses hides the summaries of each one's own choice, so each sequence decodes the logits
+    it decodes alone (and not those of a choice made every step)."""
+    policy = SELECT.replace(csa_select_every=3)
+    prompts = [random_tokens(n, seed=n) for n in (70, 85, 101)]
+    alone = LLM(str(tiny_llama), policy=policy, max_model_len=256, max_num_seqs=1)
+    expected = [sampled_logits(alone, [p], 20)[0] for p in prompts]
+    batched = LLM(str(tiny_llama), policy=policy, max_model_len=256, max_num_seqs=3)
+    for got, want in zip(sampled_logits(batched, prompts, 20), expected, strict=True):
+        assert relative_error(got, want) <= 1e-5
+    every_step = LLM(str(tiny_llama), policy=SELECT, max_model_len=256, max_num_seqs=1)
+    assert (
+        max(
+            relative_error(sampled_logits(every_step, [p], 20)[0], want)
+            for p, want in zip(prompts, expected, strict=True)
+        )
+        > 1e-3
+    )

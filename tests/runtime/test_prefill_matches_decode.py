@@ -152,6 +152,14 @@ POLICIES = {
 POLICIES["csa_select_means"] = POLICIES["csa_select_no_summaries"].replace(
     v_dtype="int8", recent_unquantized=0, csa_index="means"
 )
+# A choice reused for 3 positions (LServe): each query scored by the query at the latest
+# multiple of 3, which chunks of 8 split from its queries; decode reuses the staged choice
+# between anchors. And every 4 positions from a streamed staging pool, which refetches the
+# reused choice in every layer.
+POLICIES["csa_select_every_3"] = POLICIES["csa_select"].replace(csa_select_every=3)
+POLICIES["csa_select_streamed_every_4"] = POLICIES["csa_select_channel_keys_int4_index"].replace(
+    csa_select_every=4, csa_staging="streamed"
+)
 PROMPT = random_tokens(90, seed=3)
 OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
 

@@ -75,6 +75,7 @@ def _engine_policy(
         csa_host=False,
         csa_index_dtype=_DEFAULT_POLICY.csa_index_dtype,
         csa_staging=_DEFAULT_POLICY.csa_staging,
+        csa_select_every=1,
         csa_keep=0.0,
     )
 
@@ -322,6 +323,11 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
             index += (
                 ", fetched a layer at a time into one staging pool the layers share (every "
                 "step fetches every layer's choice)"
+            )
+        if policy.csa_select_every > 1:
+            index += (
+                f", each choice reused for {policy.csa_select_every} positions (made by the "
+                "query at the latest multiple of it)"
             )
         budget = f"{policy.csa_topk} older blocks"
         if policy.layer_csa_topk:

@@ -66,6 +66,7 @@ PLAIN_FIELDS = (
     "csa_index_dtype",
     "csa_host",
     "csa_staging",
+    "csa_select_every",
     "csa_keep",
 )
 

@@ -62,6 +62,7 @@ KNOB_NAMES = (
     "csa_index",
     "csa_index_dtype",
     "csa_staging",
+    "csa_select_every",
     "csa_keep",
     "block_size",
     "chunk_size",
@@ -90,6 +91,7 @@ OPTIONAL_KNOBS = (
     "csa_index",
     "csa_index_dtype",
     "csa_staging",
+    "csa_select_every",
     "csa_keep",
 )
 
@@ -287,6 +289,12 @@ class SearchConfig:
             f"one of {', '.join(CSA_STAGINGS)}",
         )
         _check_each(
+            "csa_select_every",
+            k["csa_select_every"],
+            lambda v: _is_int(v, 1),
+            "integers >= 1 (positions a selection serves; 1 = every query selects)",
+        )
+        _check_each(
             "csa_keep",
             k["csa_keep"],
             lambda f: (
@@ -401,6 +409,7 @@ class SearchSpace:
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
         if not knobs["csa_host"]:
             knobs["csa_staging"] = _DEFAULTS.csa_staging  # only selection fetches into staging
+            knobs["csa_select_every"] = 1  # nothing selected, nothing reused
         if not _can_keep(knobs):
             knobs["csa_keep"] = 0.0
         if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
@@ -550,7 +559,11 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             csa_keep=0.0,
         )
     if not policy.selects:
-        changes.update(csa_index=_DEFAULTS.csa_index, csa_staging=_DEFAULTS.csa_staging)
+        changes.update(
+            csa_index=_DEFAULTS.csa_index,
+            csa_staging=_DEFAULTS.csa_staging,
+            csa_select_every=1,
+        )
     if not policy.pooled_index:
         changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)
     if policy.compressed and not policy.summarises:
