@@ -149,11 +149,14 @@ POLICIES: dict[str, KVPolicy] = {
     ),
     # K int8 / V int4's 256-token window and 80 blocks a query, at 4-bit.
     "int4 K channel / V rotated w256 + top80 host no summaries int4 index": _int4_host(256, 80),
-    # The same choice reused for 4 positions (LServe's reusable page selector): decode scores
-    # and fetches at one step in 4 and where a block leaves the window.
-    "int4 K channel / V rotated w256 + top80 host no summaries int4 index select every 4": (
-        _int4_host(256, 80).replace(csa_select_every=4)
-    ),
+    # The same choice reused for 2 and 4 positions (LServe's reusable page selector): decode
+    # scores and fetches at one step in N and where a block leaves the window.
+    **{
+        f"int4 K channel / V rotated w256 + top80 host no summaries int4 index select every {n}": (
+            _int4_host(256, 80).replace(csa_select_every=n)
+        )
+        for n in (2, 4)
+    },
     # The same selections with one staging pool the layers fill in turn (ShadowKV, InfiniGen):
     # the staging bytes of one layer, not 30; every layer's choice is fetched every step.
     "int4 K channel / V rotated w256 + top80 streamed no summaries int4 index": _int4_host(

@@ -187,10 +187,11 @@ class KVPolicy:
         about 1 / num_layers of the staging bytes; ShadowKV, InfiniGen).
     csa_select_every: N > 1 reuses a choice for N positions (LServe's reusable page
         selector): a query is scored by the query at its anchor, the latest position that is a
-        multiple of N, over the older blocks it sees itself. Consecutive queries pick much the
-        same blocks, so a decode step between anchors reuses the staged choice (no scoring, no
-        fetch, no host sync) unless a block has left the window since; prefill scores its
-        queries by the same anchors, so teacher-forced accuracy measures what decode does.
+        multiple of N, over the older blocks it sees itself. A decode step between anchors
+        reuses the staged choice (no scoring, no fetch, no host sync) unless a block has left
+        the window since; prefill scores its queries by the same anchors, so teacher-forced
+        accuracy measures what decode does. The lag costs recall where one query retrieves
+        (SmolLM2 held out: 0.959 at 1, 0.941 at 2, 0.772 at 4; benchmarks/RESULTS.md).
     csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
         per layer and KV head by the attention they received while in the window (H2O /
         SnapKV style, from queries that already ran): in every group of 8 consecutive older
