@@ -157,6 +157,12 @@ POLICIES: dict[str, KVPolicy] = {
         )
         for n in (2, 4)
     },
+    # Reuse for 4 positions only outside layers 14-24, where selection most often reads a pass
+    # key's block (RETRIEVAL_BAND): those layers choose at every query.
+    "int4 K channel / V rotated w256 + top80 host no summaries int4 index select every 4 "
+    "outside layers 14-24": _int4_host(256, 80).replace(
+        layer_csa_select_every=tuple(1 if budget == 80 else 4 for budget in RETRIEVAL_BAND)
+    ),
     # The same selections with one staging pool the layers fill in turn (ShadowKV, InfiniGen):
     # the staging bytes of one layer, not 30; every layer's choice is fetched every step.
     "int4 K channel / V rotated w256 + top80 streamed no summaries int4 index": _int4_host(

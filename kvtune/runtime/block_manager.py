@@ -138,11 +138,12 @@ class SequenceKV:
     kept: dict[int, torch.Tensor] = field(default_factory=dict)
     importance: dict[int, torch.Tensor] = field(default_factory=dict)
     # Selection reused across positions (kvtune.runtime.select_anchors): per layer, the latest
-    # anchor's scoring query and the last decode choice [KV heads][older blocks], and the
-    # (anchor, older blocks) that choice was made for (None: nothing staged to reuse).
+    # anchor's scoring query and the last decode choice [KV heads][older blocks]; per N, the
+    # (anchor, older blocks) the choices of layers reusing for N positions were made for
+    # (None: nothing staged to reuse).
     anchor_queries: dict[int, torch.Tensor] = field(default_factory=dict)
     choices: dict[int, list[list[bool]]] = field(default_factory=dict)
-    selected_for: tuple[int, int] | None = None
+    selected_for: dict[int, tuple[int, int] | None] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -120,8 +120,9 @@ class StepLayout:
     streams: list[StreamSpec]
     copies: list[CopyGroup]
     kvs: list[SequenceKV]
-    # Where selection takes each query's scoring query (csa_select_every > 1), else None.
-    anchors: AnchorPlan | None = None
+    # Where selection takes each query's scoring query, by N (the layers' csa_select_every
+    # values above 1; a layer with N = 1 scores each query by itself).
+    anchors: dict[int, AnchorPlan] = dataclasses.field(default_factory=dict)
 
     @property
     def decode_only(self) -> bool:
@@ -182,6 +183,7 @@ class KVCache:
         self.alignments = self._summary_alignments(rope_inv_freq)
         self.fetched_bytes = 0
         self.layer_topk = policy.layer_topk(arch.num_layers)
+        self.layer_every = policy.layer_select_every(arch.num_layers)
         self.kept = KeptBlocks(policy, heads, device) if policy.keeps else None
         all_formats = layer_formats(arch, policy)
         self.clips = ClipCounter(
@@ -294,7 +296,6 @@ class KVCache:
         for seq_positions in positions:
             starts.append(starts[-1] + len(seq_positions))
         flat_slots = [slot for seq_slots in slots for slot in seq_slots]
-        every = self.policy.csa_select_every
         return StepLayout(
             slot_mapping=torch.tensor(flat_slots, dtype=torch.int64, device=self.device),
             q_positions=self._int32([p for seq_positions in positions for p in seq_positions]),
@@ -303,7 +304,10 @@ class KVCache:
             streams=self._stream_specs(kvs),
             copies=self._copy_groups(copies),
             kvs=kvs,
-            anchors=plan_anchors(kvs, positions, every, self.device) if every > 1 else None,
+            anchors={
+                every: plan_anchors(kvs, positions, every, self.device)
+                for every in sorted(set(self.layer_every) - {1})
+            },
         )
 
     def _lifetime(self, name: str, kind: str) -> tuple[int | None, int | None]:
@@ -461,7 +465,7 @@ class KVCache:
         index = streams.pop("index" + INDEX, None)  # read by selection, not attended
         index = index or streams.get("summary" + MAIN)
         scored = q_model if self.policy.separate_index else q
-        plan = layout.anchors
+        plan = layout.anchors.get(self.layer_every[layer])
         if plan is not None and plan.reselects and self.layer_topk[layer]:
             # Kept from the first step on, before any block is old enough to select.
             scored = scoring_queries(plan, layer, scored)
@@ -533,7 +537,7 @@ class KVCache:
         topk = self.layer_topk[layer]
         if topk == 0:  # the layer holds no host tier
             return
-        plan = layout.anchors
+        plan = layout.anchors.get(self.layer_every[layer])
         reuses = positions is None and plan is not None and not plan.reselects
         if reuses:
             chosen = self._last_choices(layer, layout.kvs)

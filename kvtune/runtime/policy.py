@@ -192,6 +192,8 @@ class KVPolicy:
         the window since; prefill scores its queries by the same anchors, so teacher-forced
         accuracy measures what decode does. The lag costs recall where one query retrieves
         (SmolLM2 held out: 0.959 at 1, 0.941 at 2, 0.772 at 4; benchmarks/RESULTS.md).
+    layer_csa_select_every: optional N per layer overriding csa_select_every (then their
+        largest): reuse where layers attend locally, choose at every query where they retrieve.
     csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
         per layer and KV head by the attention they received while in the window (H2O /
         SnapKV style, from queries that already ran): in every group of 8 consecutive older
@@ -231,6 +233,7 @@ class KVPolicy:
     csa_host: bool = False
     csa_staging: str = RESIDENT_STAGING
     csa_select_every: int = 1
+    layer_csa_select_every: tuple[int, ...] | None = None
     csa_keep: float = 0.0
     block_size: int = 16
     chunk_size: int = 512
@@ -429,11 +432,18 @@ class KVPolicy:
                 f"{RESIDENT_STAGING} unless csa_topk > 0 (only selection fetches into staging)",
             )
         _check_int("csa_select_every", self.csa_select_every, 1)
+        self._normalise_layer_select_every()
         if self.csa_select_every > 1 and not self.csa_topk:
+            name = (
+                "csa_select_every"
+                if self.layer_csa_select_every is None
+                else "layer_csa_select_every"
+            )
             raise ConfigError(
-                _field("csa_select_every"),
-                self.csa_select_every,
-                "1 unless csa_topk > 0 (it reuses a selection)",
+                _field(name),
+                getattr(self, name),
+                f"{'1' if name == 'csa_select_every' else 'null'} unless csa_topk > 0 (it reuses "
+                "a selection)",
             )
         if self.csa_host and not self.csa_topk:
             raise ConfigError(
@@ -441,6 +451,26 @@ class KVPolicy:
                 self.csa_topk,
                 "an integer >= 1 when csa_host is true (only selection reads the host tier)",
             )
+
+    def _normalise_layer_select_every(self) -> None:
+        """Per-layer reuse as a tuple of integers >= 1, csa_select_every their largest."""
+        everies = self.layer_csa_select_every
+        if everies is None:
+            return
+        name = "layer_csa_select_every"
+        if isinstance(everies, str) or not isinstance(everies, Sequence) or not everies:
+            raise ConfigError(
+                _field(name), everies, "a list of integers >= 1 (one a layer), or null"
+            )
+        everies = tuple(_check_int(f"{name}[{i}]", n, 1) for i, n in enumerate(everies))
+        if self.csa_select_every not in (1, max(everies)):
+            raise ConfigError(
+                _field("csa_select_every"),
+                self.csa_select_every,
+                f"{max(everies)}, the largest layer_csa_select_every, or 1 to take it",
+            )
+        object.__setattr__(self, name, everies)
+        object.__setattr__(self, "csa_select_every", max(everies))
 
     def _normalise_layer_topk(self) -> None:
         """Per-layer budgets as a tuple of integers, csa_topk their largest (the staging blocks
@@ -576,15 +606,25 @@ class KVPolicy:
     def layer_topk(self, num_layers: int) -> list[int]:
         """Older blocks each query reads exactly, layer by layer (csa_topk everywhere unless
         layer_csa_topk gives each layer its own)."""
-        if self.layer_csa_topk is None:
-            return [self.csa_topk] * num_layers
-        if len(self.layer_csa_topk) != num_layers:
+        return self._per_layer("csa_topk", "budget", num_layers)
+
+    def layer_select_every(self, num_layers: int) -> list[int]:
+        """Positions one selection serves, layer by layer (csa_select_every everywhere unless
+        layer_csa_select_every gives each layer its own)."""
+        return self._per_layer("csa_select_every", "N", num_layers)
+
+    def _per_layer(self, name: str, what: str, num_layers: int) -> list[int]:
+        """Field `name` for every layer: its layer_ list, or its one value repeated."""
+        values = getattr(self, "layer_" + name)
+        if values is None:
+            return [getattr(self, name)] * num_layers
+        if len(values) != num_layers:
             raise ConfigError(
-                _field("layer_csa_topk"),
-                f"<{len(self.layer_csa_topk)} entries>",
-                f"exactly one budget per layer: the model has {num_layers} layers",
+                _field("layer_" + name),
+                f"<{len(values)} entries>",
+                f"exactly one {what} per layer: the model has {num_layers} layers",
             )
-        return list(self.layer_csa_topk)
+        return list(values)
 
     def kv_format(self, dtype: str, auto_dtype: str, keys: bool = False) -> KVFormat:
         """Storage format of a stream whose element dtype is `dtype` (auto -> the model's);
@@ -606,6 +646,7 @@ class KVPolicy:
         """Refuse settings this model cannot hold (before its weights are loaded)."""
         pairs = self.layer_pairs(arch.num_layers)
         self.layer_topk(arch.num_layers)
+        self.layer_select_every(arch.num_layers)
         size = arch.cached_vector_size
         # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
         for name in ("group_size", "k_group_size"):
@@ -660,7 +701,7 @@ class KVPolicy:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (lists, ints, strings) for YAML, MLflow params and Hydra."""
         data = dataclasses.asdict(self)
-        for name in ("layer_dtypes", "layer_csa_topk"):
+        for name in ("layer_dtypes", "layer_csa_topk", "layer_csa_select_every"):
             if data[name] is not None:
                 data[name] = list(data[name])
         return data
@@ -674,7 +715,7 @@ class KVPolicy:
                     _field(str(key)), data[key], f"unknown field; known: {', '.join(sorted(known))}"
                 )
         values = dict(data)
-        for name in ("layer_dtypes", "layer_csa_topk"):
+        for name in ("layer_dtypes", "layer_csa_topk", "layer_csa_select_every"):
             if isinstance(values.get(name), list):
                 values[name] = tuple(values[name])
         return cls(**values)

@@ -42,9 +42,10 @@ def plan_anchors(
     every: int,
     device: torch.device | str,
 ) -> AnchorPlan:
-    """The anchor plan of a step whose sequences kvs place queries at `positions` (consecutive
-    within a sequence). Records on each sequence what a decode step's choice is made for (its
-    anchor and older blocks), or that a prefill step leaves nothing staged to reuse."""
+    """The anchor plan, for the layers whose selection serves `every` positions, of a step whose
+    sequences kvs place queries at `positions` (consecutive within a sequence). Records on each
+    sequence what a decode step's choice there is made for (its anchor and older blocks), or
+    that a prefill step leaves nothing staged to reuse."""
     total = sum(len(seq_positions) for seq_positions in positions)
     rows: list[int] = []
     stored: list[SequenceKV] = []
@@ -72,8 +73,8 @@ def plan_anchors(
         made_for = None
         if decode:
             made_for = (seq_positions[0] - seq_positions[0] % every, len(kv.host_blocks))
-            reselects = reselects or kv.selected_for != made_for
-        kv.selected_for = made_for
+            reselects = reselects or kv.selected_for.get(every) != made_for
+        kv.selected_for[every] = made_for
     return AnchorPlan(
         torch.tensor(rows, dtype=torch.int64, device=device), stored, new_anchors, reselects
     )

@@ -141,6 +141,7 @@ def test_engines_keep_every_token_of_a_compressed_policy():
         {"csa_topk": 8, "csa_host": True, "csa_summary": "none", "csa_index_dtype": "int4"},
         {"csa_topk": 8, "csa_host": True, "csa_staging": "streamed"},
         {"csa_topk": 8, "csa_host": True, "csa_select_every": 4},
+        {"csa_topk": 8, "csa_host": True, "layer_csa_select_every": (1, 4, 4, 1)},
         {"csa_topk": 8, "layer_csa_topk": (2, 8, 8, 0), "csa_host": True},
         {"csa_keep": 0.25, "csa_window": 256},
     ],
@@ -157,7 +158,9 @@ def test_selected_and_kept_blocks_export_as_every_token_kept_and_are_named_as_ga
     assert ("key bounds in a int4 index" in gaps) == ("csa_index_dtype" in changes)
     assert ("kept exact by the attention they received" in gaps) == ("csa_keep" in changes)
     assert ("one staging pool the layers share" in gaps) == ("csa_staging" in changes)
-    assert ("each choice reused for 4 positions" in gaps) == ("csa_select_every" in changes)
+    reuses = "csa_select_every" in changes or "layer_csa_select_every" in changes
+    assert ("each choice reused for 4 positions" in gaps) == reuses
+    assert ("(by layer: 1, 4, 4, 1)" in gaps) == ("layer_csa_select_every" in changes)
     assert ("0-8 older blocks (by layer: 2, 8, 8, 0)" in gaps) == ("layer_csa_topk" in changes)
 
 

@@ -308,24 +308,37 @@ def test_each_layer_reads_its_own_budget_in_prefill_and_decode(
 
 
 @pytest.mark.parametrize(
-    ("staging", "backend"), [("resident", "torch"), ("streamed", "torch"), ("resident", "triton")]
+    ("everies", "staging", "backend"),
+    [
+        ((3, 3), "resident", "torch"),
+        ((3, 3), "streamed", "torch"),
+        ((3, 3), "resident", "triton"),
+        # Per layer: the first reuses, the second chooses at every query.
+        ((3, 1), "resident", "torch"),
+    ],
 )
-def test_a_reused_choice_is_the_quest_selection_of_the_anchor_query(tiny_llama, staging, backend):
-    """csa_select_every = 3: every layer's attention output over a chunked prefill (chunks of
-    32 split anchors from their queries) and nine decode steps equals the Quest rule computed
-    here with each query scored by the query at its anchor; a decode step between anchors
-    without a new older block reuses the staged choice: a resident pool fetches nothing, a
-    streamed one refetches it."""
-    policy = QUEST.replace(csa_select_every=3, csa_staging=staging)
+def test_a_reused_choice_is_the_quest_selection_of_the_anchor_query(
+    tiny_llama, everies, staging, backend
+):
+    """csa_select_every = 3 (per layer with layer_csa_select_every): every layer's attention
+    output over a chunked prefill (chunks of 32 split anchors from their queries) and nine
+    decode steps equals the Quest rule computed here with each query scored by the query at its
+    layer's anchor; a decode step between anchors without a new older block reuses the staged
+    choice: where every layer reuses, a resident pool fetches nothing, a streamed one
+    refetches it."""
+    policy = QUEST.replace(layer_csa_select_every=everies, csa_staging=staging)
     llm = LLM(str(tiny_llama), policy=policy, backend=backend, max_model_len=256)
     prompt = random_tokens(120, seed=21)
     seen, fetched_by_step = prefill_and_decode(llm, prompt, 9)
-    for layer in (0, 1):
+    for layer, every in enumerate(everies):
         q, k, v, out, scale = seen[layer]
-        expected = quest_attention(q, k, v, policy, scale, select_every=3)
+        expected = quest_attention(q, k, v, policy, scale, select_every=every)
         assert relative_error(out, expected) <= 1e-5, layer
-        every_step = quest_attention(q, k, v, policy, scale)
-        assert relative_error(every_step, expected) > 1e-4, layer  # the anchors matter
+        if every > 1:
+            every_step = quest_attention(q, k, v, policy, scale)
+            assert relative_error(every_step, expected) > 1e-4, layer  # the anchors matter
+    if min(everies) == 1:
+        return
     fetched = dict(enumerate(fetched_by_step, start=len(prompt)))  # by query position
     sinks, window = QUEST.csa_sinks, QUEST.csa_window
     new_block = {p for p in fetched if (p - sinks - window) % BLOCK == 0}

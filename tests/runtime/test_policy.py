@@ -72,6 +72,21 @@ SELECTING = {"csa_ratio": 2, "csa_summary": "none", "csa_host": True}
             "policy.csa_select_every",
         ),
         ({"csa_ratio": 4, "csa_select_every": 4}, "policy.csa_select_every"),
+        (
+            {"csa_ratio": 4, "csa_topk": 8, "csa_host": True, "layer_csa_select_every": [0, 2]},
+            "policy.layer_csa_select_every[0]",
+        ),
+        ({"csa_ratio": 4, "layer_csa_select_every": [1, 4]}, "policy.layer_csa_select_every"),
+        (
+            {
+                "csa_ratio": 4,
+                "csa_topk": 8,
+                "csa_host": True,
+                "csa_select_every": 2,
+                "layer_csa_select_every": [1, 4],
+            },
+            "policy.csa_select_every",
+        ),
         ({"csa_index_dtype": "fp4"}, "policy.csa_index_dtype"),
         ({"csa_ratio": 4, "csa_index_dtype": "int4"}, "policy.csa_index_dtype"),
         (

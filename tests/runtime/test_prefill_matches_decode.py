@@ -160,6 +160,10 @@ POLICIES["csa_select_every_3"] = POLICIES["csa_select"].replace(csa_select_every
 POLICIES["csa_select_streamed_every_4"] = POLICIES["csa_select_channel_keys_int4_index"].replace(
     csa_select_every=4, csa_staging="streamed"
 )
+# Reuse in the first layer only: each layer keeps its own anchors and staged choices.
+POLICIES["csa_select_every_3_in_layer_0"] = POLICIES["csa_select_no_summaries"].replace(
+    layer_csa_select_every=(3, 1)
+)
 PROMPT = random_tokens(90, seed=3)
 OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
 

@@ -76,6 +76,7 @@ def _engine_policy(
         csa_index_dtype=_DEFAULT_POLICY.csa_index_dtype,
         csa_staging=_DEFAULT_POLICY.csa_staging,
         csa_select_every=1,
+        layer_csa_select_every=None,
         csa_keep=0.0,
     )
 
@@ -329,6 +330,9 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
                 f", each choice reused for {policy.csa_select_every} positions (made by the "
                 "query at the latest multiple of it)"
             )
+            if policy.layer_csa_select_every:
+                by_layer = ", ".join(map(str, policy.layer_csa_select_every))
+                index += f" where a layer's N says so (by layer: {by_layer})"
         budget = f"{policy.csa_topk} older blocks"
         if policy.layer_csa_topk:
             budget = (

@@ -67,6 +67,7 @@ PLAIN_FIELDS = (
     "csa_host",
     "csa_staging",
     "csa_select_every",
+    "layer_csa_select_every",
     "csa_keep",
 )
 

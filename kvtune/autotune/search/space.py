@@ -548,6 +548,8 @@ def canonical(policy: KVPolicy) -> KVPolicy:
         changes.update(group_size=PER_TENSOR)  # channel keys ignore it, no value uses it
     if policy.layer_csa_topk is not None and len(set(policy.layer_csa_topk)) == 1:
         changes.update(layer_csa_topk=None)
+    if policy.layer_csa_select_every is not None and len(set(policy.layer_csa_select_every)) == 1:
+        changes.update(layer_csa_select_every=None)
     if not policy.compressed:
         changes.update(
             csa_window=_DEFAULTS.csa_window,
@@ -563,6 +565,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             csa_index=_DEFAULTS.csa_index,
             csa_staging=_DEFAULTS.csa_staging,
             csa_select_every=1,
+            layer_csa_select_every=None,
         )
     if not policy.pooled_index:
         changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)
