@@ -184,6 +184,7 @@ class KVCache:
         self.fetched_bytes = 0
         self.layer_topk = policy.layer_topk(arch.num_layers)
         self.layer_every = policy.layer_select_every(arch.num_layers)
+        self.reuse_periods = sorted(set(self.layer_every) - {1})  # one anchor plan each a step
         self.kept = KeptBlocks(policy, heads, device) if policy.keeps else None
         all_formats = layer_formats(arch, policy)
         self.clips = ClipCounter(
@@ -306,7 +307,7 @@ class KVCache:
             kvs=kvs,
             anchors={
                 every: plan_anchors(kvs, positions, every, self.device)
-                for every in sorted(set(self.layer_every) - {1})
+                for every in self.reuse_periods
             },
         )
 

@@ -273,6 +273,13 @@ def prefill_and_decode(
     return concatenated, fetched
 
 
+def quest_error(recorded: tuple, policy: KVPolicy, **rule: int) -> float:
+    """Relative error of a layer's recorded attention output (`prefill_and_decode`) against
+    `quest_attention` over the same q, k and v with `rule` (topk, select_every)."""
+    q, k, v, out, scale = recorded
+    return relative_error(out, quest_attention(q, k, v, policy, scale, **rule))
+
+
 @pytest.mark.parametrize(
     ("budgets", "staging", "backend"),
     [
@@ -294,9 +301,7 @@ def test_each_layer_reads_its_own_budget_in_prefill_and_decode(
     prompt = random_tokens(120, seed=20)
     seen, fetched = prefill_and_decode(llm, prompt, 3)
     for layer, budget in enumerate(budgets):
-        q, k, v, out, scale = seen[layer]
-        expected = quest_attention(q, k, v, policy, scale, topk=budget)
-        assert relative_error(out, expected) <= 1e-5, layer
+        assert quest_error(seen[layer], policy, topk=budget) <= 1e-5, layer
     heads = llm.arch.num_kv_heads
     vector = 2 * heads * llm.arch.head_dim * 2  # K and V of one token, 2 bytes an element
     older = (len(prompt) - QUEST.csa_sinks - QUEST.csa_window) // BLOCK  # 12, more than budgets
@@ -331,12 +336,9 @@ def test_a_reused_choice_is_the_quest_selection_of_the_anchor_query(
     prompt = random_tokens(120, seed=21)
     seen, fetched_by_step = prefill_and_decode(llm, prompt, 9)
     for layer, every in enumerate(everies):
-        q, k, v, out, scale = seen[layer]
-        expected = quest_attention(q, k, v, policy, scale, select_every=every)
-        assert relative_error(out, expected) <= 1e-5, layer
-        if every > 1:
-            every_step = quest_attention(q, k, v, policy, scale)
-            assert relative_error(every_step, expected) > 1e-4, layer  # the anchors matter
+        assert quest_error(seen[layer], policy, select_every=every) <= 1e-5, layer
+        if every > 1:  # the anchors matter: the every-query rule is far from what was read
+            assert quest_error(seen[layer], policy) > 1e-4, layer
     if min(everies) == 1:
         return
     fetched = dict(enumerate(fetched_by_step, start=len(prompt)))  # by query position
