@@ -169,6 +169,8 @@ def test_space_size_counts_combinations():
     # A share drawn per group multiplies each group's K x V choices.
     shares = SearchConfig.from_dict({**SEARCH, "csa_topk_share": [0.5, 1]}, ARCH)
     assert shares.size(3) == 3 * 2 * 2 * 4 * 2 * 2 * 5 * 2 * (9 * 2) ** 3
+    reuse = SearchConfig.from_dict({**SEARCH, "csa_select_every": [1, 2, 4]}, ARCH)
+    assert reuse.size(3) == 3 * 2 * 2 * 4 * 2 * 2 * 5 * 2 * (9 * 3) ** 3
 
 
 def test_each_layer_group_reads_its_share_of_the_selection_budget():
@@ -206,6 +208,46 @@ def test_each_layer_group_reads_its_share_of_the_selection_budget():
         .layer_csa_topk
         is None
     )
+
+
+def test_each_layer_group_reuses_its_choice_for_its_own_positions():
+    """csa_select_every is drawn per layer group like the budget share: a layer of group g
+    reuses each choice for N_g positions, csa_select_every becomes their largest, a group
+    that selects nothing reuses nothing (N = 1), and equal N everywhere is the plain field."""
+    search = space(
+        csa_ratio=[2],
+        csa_window=[256],
+        csa_topk=[48],
+        csa_topk_share=[0, 1],
+        csa_select_every=[1, 4],
+        csa_summary=["none"],
+        block_size=[16],
+        chunk_size=[256],
+    )
+    assert {f"csa_select_every_g{i}" for i in range(3)} <= set(search.distributions())
+    assert "csa_select_every" not in search.distributions()
+    shares = {f"csa_topk_share_g{i}": share for i, share in enumerate((1, 1, 0))}
+    banded = search.policy({**shares, "csa_select_every_g0": 4, "csa_select_every_g1": 1})
+    by_layer = [0] * ARCH.num_layers
+    for layer in GROUPS[0]:
+        by_layer[layer] = 4
+    for layer in (*GROUPS[1], *GROUPS[2]):
+        by_layer[layer] = 1
+    assert banded.layer_csa_select_every == tuple(by_layer)
+    assert banded.csa_select_every == 4
+    assert banded.layer_select_every(ARCH.num_layers) == by_layer
+    # The group without selection drew 4 and still reuses nothing.
+    idle = search.policy({**shares, "csa_select_every_g2": 4})
+    assert idle.csa_select_every == 1 and idle.layer_csa_select_every is None
+    full = {f"csa_topk_share_g{i}": 1 for i in range(3)}
+    everywhere = search.policy({**full, **{f"csa_select_every_g{i}": 4 for i in range(3)}})
+    assert everywhere.csa_select_every == 4 and everywhere.layer_csa_select_every is None
+    draws = valid_draws(search, 60, seed=5)
+    assert any(p.layer_csa_select_every is not None for p in draws)
+    for drawn in draws:
+        budgets = drawn.layer_topk(ARCH.num_layers)
+        for budget, every in zip(budgets, drawn.layer_select_every(ARCH.num_layers), strict=True):
+            assert every in {1, 4} and (budget or every == 1)
 
 
 def test_layers_are_grouped_by_ascending_sensitivity():
@@ -365,7 +407,8 @@ def test_the_4bit_selection_start_pairs_channel_keys_with_a_separate_index():
 )
 def test_selection_knobs_are_drawn_only_with_selection(knob, candidates):
     """csa_staging and csa_select_every keep their first value (resident, 1) wherever nothing
-    is selected (KVPolicy's rules), and every candidate is drawn with selection."""
+    is selected (KVPolicy's rules), and every candidate is drawn with selection (in some
+    layer: csa_select_every is drawn per layer group)."""
     search = space(
         csa_ratio=[1, 2],
         csa_window=[256],
@@ -378,6 +421,8 @@ def test_selection_knobs_are_drawn_only_with_selection(knob, candidates):
     for drawn in valid_draws(search, 60, seed=4):
         if not drawn.selects:
             assert getattr(drawn, knob) == candidates[0]
+        elif knob == "csa_select_every":
+            seen.update(drawn.layer_select_every(ARCH.num_layers))
         else:
             seen.add(getattr(drawn, knob))
     assert seen == set(candidates)

@@ -68,8 +68,10 @@ KNOB_NAMES = (
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
-# Knobs drawn once per layer group (params "<knob>_g<i>"), beside the K and V dtypes.
-GROUP_KNOBS = ("csa_topk_share",)
+# Knobs drawn once per layer group (params "<knob>_g<i>"), beside the K and V dtypes: the
+# selection budget and how long a choice is reused, since layers that retrieve want many
+# blocks chosen at every query and layers that attend locally few, reused (stop 33).
+GROUP_KNOBS = ("csa_topk_share", "csa_select_every")
 # Knobs of the space that are not policy fields, with the value a conf/search without them
 # keeps: each layer group reads csa_topk * share blocks (rounded up; 0: none).
 SPACE_DEFAULTS: dict[str, Any] = {"csa_topk_share": 1.0}
@@ -402,14 +404,19 @@ class SearchSpace:
         knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
         fixed_share = knobs.pop("csa_topk_share")  # not a policy field: drawn per group
         shares = [params.get(f"csa_topk_share_g{i}", fixed_share) for i in range(len(self.groups))]
+        every = [
+            params.get(f"csa_select_every_g{i}", knobs["csa_select_every"])
+            for i in range(len(self.groups))
+        ]
         if knobs["csa_ratio"] == 1:
             knobs["csa_topk"] = 0  # nothing compressed, nothing to select
         budgets = [math.ceil(knobs["csa_topk"] * share) for share in shares]
         knobs["csa_topk"] = max(budgets)
+        every = [n if budget else 1 for n, budget in zip(every, budgets, strict=True)]
+        knobs["csa_select_every"] = max(every)  # a group that selects nothing reuses nothing
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
         if not knobs["csa_host"]:
             knobs["csa_staging"] = _DEFAULTS.csa_staging  # only selection fetches into staging
-            knobs["csa_select_every"] = 1  # nothing selected, nothing reused
         if not _can_keep(knobs):
             knobs["csa_keep"] = 0.0
         if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
@@ -420,15 +427,18 @@ class SearchSpace:
             knobs["k_scale_axis"] = "token"  # channel scales need whole blocks, not summaries
         pairs = [""] * self.num_layers
         layer_topk = [0] * self.num_layers
+        layer_every = [1] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
             v = params.get(f"v_dtype_g{index}", self.config.v_dtypes[0])
             for layer in layers:
                 pairs[layer] = f"{k}/{v}"
                 layer_topk[layer] = budgets[index]
+                layer_every[layer] = every[index]
         _fit_integer_scales(knobs, pairs, self.config.knobs)
         if knobs["csa_topk"]:
             knobs["layer_csa_topk"] = tuple(layer_topk)
+            knobs["layer_csa_select_every"] = tuple(layer_every)
         return canonical(KVPolicy.from_dict(knobs).replace(layer_dtypes=tuple(pairs)))
 
     def warm_starts(self) -> dict[str, dict[str, Any]]:
