@@ -161,9 +161,11 @@ def _whole_token_groups(slots: torch.Tensor, rows: int) -> bool:
 
 
 def _same_tensor_scale(a: KVPool, b: KVPool) -> bool:
-    """Whether two pools' tensor scales are equal: at once when they share one storage, else
-    by value (a decode step fetches in every layer, where comparing values cost a third of a
-    small fetch)."""
+    """Whether two pools' tensor scales are equal: at once when both were built without one (1)
+    or they share one storage, else by value (a decode step fetches in every layer, where
+    comparing values cost a third of a small fetch)."""
+    if a.unit_tensor_scale and b.unit_tensor_scale:
+        return True
     same_storage = (
         a.tensor_scale.device == b.tensor_scale.device
         and a.tensor_scale.data_ptr() == b.tensor_scale.data_ptr()

@@ -140,19 +140,17 @@ def select_blocks(
     length = int(index.lengths.max())
     num_blocks = math.ceil(length / vectors_per_block)
     shape = (q.shape[0], index.num_kv_heads, num_blocks)
-    selected = torch.zeros(shape, dtype=torch.bool, device=q.device)
-    if num_blocks == 0:
-        return selected
     rule = _BlockRule(kind, vectors_per_block, topk, scale)
-    if q_positions is None:  # decode: one query a sequence, every index vector visible
+    if q_positions is None and num_blocks:  # decode: one query a sequence, all vectors visible
         products = decode_products(q, index, length, kind)
         kv_heads = index.num_kv_heads
         products = products.view(q.shape[0], 1, kv_heads, q.shape[1] // kv_heads, length)
         valid = None  # one sequence: its length is the longest, it sees every vector
         if index.num_seqs > 1:
             valid = (torch.arange(length, device=q.device) < index.lengths[:, None])[:, None]
-        chosen = rule.choose(products, valid)
-        selected[:, :, : chosen.shape[-1]] = chosen[:, 0]
+        return rule.choose(products, valid)[:, 0]  # a decode index holds whole blocks
+    selected = torch.zeros(shape, dtype=torch.bool, device=q.device)
+    if num_blocks == 0:
         return selected
     for group in query_groups(q_seq_starts):
         gathered = group_keys(index, group, q_positions)

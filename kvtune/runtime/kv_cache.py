@@ -662,7 +662,7 @@ class KVCache:
                 slices.append(head)
         if reads:
             pools = self.layers[layer]
-            index = [torch.tensor(x, dtype=torch.int64) for x in (reads, writes, slices)]
+            index = torch.tensor([reads, writes, slices], dtype=torch.int64)  # one tensor, 3 rows
             for by_kind in (pools.k, pools.v):
                 copy_blocks(by_kind[HOST], index[0], by_kind[kind], index[1], index[2])
             self.fetched_bytes += len(reads) * self.layer_bytes[layer] // heads
