@@ -336,7 +336,12 @@ def main() -> None:
                 step / fp16_step,
             )
         )
-        console.log(f"{name}: {device} device, {step / fp16_step:.2f}x fp16's decode step")
+        # The absolute steps show the machine's state: a CPU whose fp16 step is fast runs the
+        # policy's many small calls relatively slower (benchmarks/RESULTS.md, stop 34).
+        console.log(
+            f"{name}: {device} device, {step / fp16_step:.2f}x fp16's decode step "
+            f"({step * 1000:.1f} / {fp16_step * 1000:.1f} ms)"
+        )
     decode_at = f"{args.decode_context}" + (
         f" x{args.decode_batch}" if args.decode_batch > 1 else ""
     )
