@@ -454,51 +454,49 @@ class KVPolicy:
 
     def _normalise_layer_select_every(self) -> None:
         """Per-layer reuse as a tuple of integers >= 1, csa_select_every their largest."""
-        everies = self.layer_csa_select_every
-        if everies is None:
-            return
-        name = "layer_csa_select_every"
-        if isinstance(everies, str) or not isinstance(everies, Sequence) or not everies:
-            raise ConfigError(
-                _field(name), everies, "a list of integers >= 1 (one a layer), or null"
-            )
-        everies = tuple(_check_int(f"{name}[{i}]", n, 1) for i, n in enumerate(everies))
-        if self.csa_select_every not in (1, max(everies)):
-            raise ConfigError(
-                _field("csa_select_every"),
-                self.csa_select_every,
-                f"{max(everies)}, the largest layer_csa_select_every, or 1 to take it",
-            )
-        object.__setattr__(self, name, everies)
-        object.__setattr__(self, "csa_select_every", max(everies))
+        everies = self._layer_ints("csa_select_every", 1)
+        if everies is not None:
+            self._take_largest("csa_select_every", everies, 1, "")
 
     def _normalise_layer_topk(self) -> None:
         """Per-layer budgets as a tuple of integers, csa_topk their largest (the staging blocks
         a sequence holds; 0 takes it)."""
-        budgets = self.layer_csa_topk
+        budgets = self._layer_ints("csa_topk", 0)
         if budgets is None:
             return
-        name = "layer_csa_topk"
-        if isinstance(budgets, str) or not isinstance(budgets, Sequence):
+        if max(budgets) == 0:
             raise ConfigError(
-                _field(name), budgets, "a list of integers >= 0 (one a layer), or null"
-            )
-        budgets = tuple(_check_int(f"{name}[{i}]", b, 0) for i, b in enumerate(budgets))
-        if not budgets or max(budgets) == 0:
-            raise ConfigError(
-                _field(name),
+                _field("layer_csa_topk"),
                 list(budgets),
                 "a list with a budget above 0, or null (a policy without selection has csa_topk 0)",
             )
-        if self.csa_topk not in (0, max(budgets)):
+        self._take_largest("csa_topk", budgets, 0, " (the staging blocks a sequence holds)")
+
+    def _layer_ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
+        """Field layer_<name> as a tuple of integers >= minimum (None when unset)."""
+        field_name = "layer_" + name
+        values = getattr(self, field_name)
+        if values is None:
+            return None
+        if isinstance(values, str) or not isinstance(values, Sequence) or not values:
             raise ConfigError(
-                _field("csa_topk"),
-                self.csa_topk,
-                f"{max(budgets)}, the largest layer_csa_topk (the staging blocks a sequence "
-                "holds), or 0 to take it",
+                _field(field_name),
+                values,
+                f"a list of integers >= {minimum} (one a layer), or null",
             )
-        object.__setattr__(self, "layer_csa_topk", budgets)
-        object.__setattr__(self, "csa_topk", max(budgets))
+        return tuple(_check_int(f"{field_name}[{i}]", v, minimum) for i, v in enumerate(values))
+
+    def _take_largest(self, name: str, values: tuple[int, ...], unset: int, why: str) -> None:
+        """Store `values` as layer_<name> and their largest as `name`, which must be unset (its
+        `unset` value) or already that largest."""
+        if getattr(self, name) not in (unset, max(values)):
+            raise ConfigError(
+                _field(name),
+                getattr(self, name),
+                f"{max(values)}, the largest layer_{name}{why}, or {unset} to take it",
+            )
+        object.__setattr__(self, "layer_" + name, values)
+        object.__setattr__(self, name, max(values))
 
     def _check_keep(self) -> None:
         """Kept blocks are decided when a group's first block leaves the window, from codes

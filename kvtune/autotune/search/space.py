@@ -404,16 +404,15 @@ class SearchSpace:
         knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
         fixed_share = knobs.pop("csa_topk_share")  # not a policy field: drawn per group
         shares = [params.get(f"csa_topk_share_g{i}", fixed_share) for i in range(len(self.groups))]
-        every = [
-            params.get(f"csa_select_every_g{i}", knobs["csa_select_every"])
-            for i in range(len(self.groups))
-        ]
         if knobs["csa_ratio"] == 1:
             knobs["csa_topk"] = 0  # nothing compressed, nothing to select
         budgets = [math.ceil(knobs["csa_topk"] * share) for share in shares]
         knobs["csa_topk"] = max(budgets)
-        every = [n if budget else 1 for n, budget in zip(every, budgets, strict=True)]
-        knobs["csa_select_every"] = max(every)  # a group that selects nothing reuses nothing
+        every = [  # a group that selects nothing reuses nothing
+            params.get(f"csa_select_every_g{i}", knobs["csa_select_every"]) if budget else 1
+            for i, budget in enumerate(budgets)
+        ]
+        knobs["csa_select_every"] = max(every)
         knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
         if not knobs["csa_host"]:
             knobs["csa_staging"] = _DEFAULTS.csa_staging  # only selection fetches into staging
