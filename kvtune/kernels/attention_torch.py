@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from kvtune.kernels.attention import PagedStream
+from kvtune.kernels.attention_folded import folded_decode_attention, folds_any
 from kvtune.kernels.pool import read_blocks_ref
+from kvtune.kernels.query_groups import QueryGroup, query_groups
 
 
 def gather_stream(
@@ -108,39 +110,12 @@ def _concatenated(streams: list[PagedStream], lengths: list[list[int]]) -> Paged
 
 
 @dataclass(frozen=True)
-class QueryGroup:
-    """Sequences with the same number of queries, attended in one batched call: a decode step's
-    sequences share one group and each prefill chunk length another, so no sequence pays for a
-    longer one's queries (padding every sequence to the longest chunk made a mixed step cost
-    batch x chunk x context)."""
-
-    seqs: torch.Tensor  # [S] the group's sequences (indices into the batch)
-    rows: torch.Tensor  # [S, C] packed query row of each (sequence, query)
-
-
-@dataclass(frozen=True)
 class GroupKeys:
     """One stream's vectors for a query group, gathered dense, and which query sees which."""
 
     keys: torch.Tensor  # fp32 [S, L, Hkv, D]
     values: torch.Tensor  # fp32 [S, L, Hkv, D]
     visible: torch.Tensor  # bool [S, 1 or Hkv (a per-KV-head query_mask), C, L]
-
-
-def query_groups(q_seq_starts: torch.Tensor) -> list[QueryGroup]:
-    """Sequences grouped by their number of queries, in increasing count (grouped on the host:
-    a handful of sequences, where tensor ops cost more than the loop)."""
-    starts = q_seq_starts.long()
-    by_count: dict[int, list[int]] = {}
-    for seq, count in enumerate((starts[1:] - starts[:-1]).tolist()):
-        if count:
-            by_count.setdefault(count, []).append(seq)
-    groups = []
-    for count, members in sorted(by_count.items()):
-        seqs = torch.tensor(members, device=starts.device)
-        offsets = torch.arange(count, device=starts.device)
-        groups.append(QueryGroup(seqs, starts[seqs][:, None] + offsets[None, :]))
-    return groups
 
 
 def group_keys(
@@ -200,6 +175,8 @@ def cache_attention_torch(
     num_tokens, num_q_heads, head_dim = q.shape
     if q_positions is None:
         streams = merge_decode_streams(streams)
+        if folds_any(streams):  # scales folded into queries and weights: no dequantizing
+            return folded_decode_attention(q, q_seq_starts, streams, scale)
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for group in query_groups(q_seq_starts):
         parts = [(group_keys(stream, group, q_positions), stream.logit_bias) for stream in streams]

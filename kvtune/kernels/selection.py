@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_torch import gather_stream, group_keys, query_groups
+from kvtune.kernels.attention_torch import gather_stream, group_keys
 from kvtune.kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
+from kvtune.kernels.query_groups import query_groups
 from kvtune.kernels.rotation import Rotation, unrotate
 
 

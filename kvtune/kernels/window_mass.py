@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_torch import group_keys, query_groups
+from kvtune.kernels.attention_torch import group_keys
+from kvtune.kernels.query_groups import query_groups
 
 
 def window_attention_mass(

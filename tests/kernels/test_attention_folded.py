@@ -1,0 +1,163 @@
+"""Decode attention with group scales folded into queries and weights equals SDPA over the
+dequantized vectors (each slot read back by the pool's reference reader), for every layout of
+scales a format has: one scale row a vector or a token group, one group a vector or several,
+with and without zero points, beside pools that do not fold."""
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvtune.kernels.attention import PagedStream
+from kvtune.kernels.attention_folded import folded_decode_attention, folds, folds_any
+from kvtune.kernels.attention_torch import cache_attention_torch
+from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.pool import read_vectors_ref, write_vectors_ref
+from tests.kernels.test_attention import TOLERANCE, _poisoned_pool, relative_error
+
+BLOCK = 16
+FORMATS = {
+    # One scale row a vector: one group (the CPU policy's rotated values), two, symmetric.
+    "int4_g64": KVFormat("int4", 64),
+    "int4_g32": KVFormat("int4", 32),
+    "fp8_g16": KVFormat("fp8", 16),
+    # One scale row a token group: per channel over a block (KIVI keys), pairs of channels,
+    # groups of 16 channels over token pairs.
+    "int4_channel": KVFormat("int4", 1, "fp16", token_group=BLOCK),
+    "int2_g2_channel": KVFormat("int2", 2, "fp16", token_group=BLOCK),
+    "fp4_g16_token_pairs": KVFormat("fp4", 16, "fp16", token_group=2),
+    # Pools that do not fold: read dequantized, in the same softmax.
+    "fp16": KVFormat("fp16"),
+    "fp8": KVFormat("fp8"),
+    "lloyd4_g64": KVFormat("lloyd4", 64),
+    "int4_zp_in_scale_g64": KVFormat("int4_zp_in_scale", 64, "fp32"),
+}
+PAIRS = [
+    ("int4_channel", "int4_g64"),
+    ("int2_g2_channel", "fp4_g16_token_pairs"),
+    ("fp4_g16_token_pairs", "int4_g32"),
+    ("int4_g32", "fp8_g16"),
+    ("fp8_g16", "int4_channel"),
+    ("lloyd4_g64", "int2_g2_channel"),
+    ("int4_g64", "fp16"),
+    ("int4_zp_in_scale_g64", "fp8_g16"),
+]
+FORMATS_THAT_FOLD = {
+    "int4_g64",
+    "int4_g32",
+    "fp8_g16",
+    "int4_channel",
+    "int2_g2_channel",
+    "fp4_g16_token_pairs",
+}
+HEADS, GROUP, DIM = 2, 3, 64
+
+
+@dataclass
+class Stored:
+    """A stream and, per sequence, the dense vectors its pools return for it."""
+
+    stream: PagedStream
+    keys: list[torch.Tensor]  # [L, H, D]
+    values: list[torch.Tensor]
+
+
+def _stored_stream(
+    lengths: list[int], k_fmt: KVFormat, v_fmt: KVFormat, seed: int, logit_bias: float = 0.0
+) -> Stored:
+    """Random vectors written in whole token groups to shuffled blocks of pools whose other
+    slots decode to NaN; the dense vectors are what the reference reader returns per slot."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = [-(-n // BLOCK) for n in lengths]
+    num_blocks = sum(counts) + 2
+    order = torch.randperm(num_blocks, generator=generator)
+    pools = [_poisoned_pool(fmt, num_blocks, BLOCK, HEADS, DIM) for fmt in (k_fmt, v_fmt)]
+    table = torch.full((len(lengths), max(counts) + 1), -1, dtype=torch.int32)
+    keys, values, used = [], [], 0
+    for seq, (length, count) in enumerate(zip(lengths, counts, strict=True)):
+        ids = order[used : used + count]
+        used += count
+        table[seq, :count] = ids.to(torch.int32)
+        slots = ids[torch.arange(length) // BLOCK] * BLOCK + torch.arange(length) % BLOCK
+        for pool, dense in zip(pools, (keys, values), strict=True):
+            write_vectors_ref(pool, slots, torch.randn(length, HEADS, DIM, generator=generator))
+            dense.append(read_vectors_ref(pool, slots))
+    stream = PagedStream(
+        pools[0],
+        pools[1],
+        table,
+        torch.tensor(lengths, dtype=torch.int32),
+        torch.zeros(len(lengths), dtype=torch.int32),
+        logit_bias=logit_bias,
+    )
+    return Stored(stream, keys, values)
+
+
+def _lengths(*formats: KVFormat) -> list[int]:
+    """Sequence lengths with partial blocks and an empty sequence, in whole token groups."""
+    rows = max(fmt.token_group for fmt in formats)
+    return [-(-n // rows) * rows for n in (0, 1, 37, 150, 8)]
+
+
+def _oracle(q, cases, query_mask, scale) -> torch.Tensor:
+    """SDPA of each sequence's query over its streams' dense vectors, each stream's logit bias
+    added, the main stream's vectors hidden per KV head where query_mask says."""
+    out = torch.zeros_like(q)
+    for seq in range(q.shape[0]):
+        keys = torch.cat([case.keys[seq] for case in cases])
+        if not len(keys):
+            continue
+        values = torch.cat([case.values[seq] for case in cases])
+        bias = torch.cat(
+            [torch.full((len(case.keys[seq]),), case.stream.logit_bias) for case in cases]
+        )
+        main = len(cases[0].keys[seq])
+        visible = torch.ones(HEADS, len(keys), dtype=torch.bool)
+        visible[:, :main] = query_mask[seq, :, :main]
+        mask = torch.where(visible, bias, -math.inf).repeat_interleave(GROUP, dim=0)
+        result = F.scaled_dot_product_attention(
+            q[seq][None, :, None, :],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask[None, :, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )[0, :, 0]
+        out[seq] = result.nan_to_num(0.0)  # a head that sees nothing: 0, as the runtime gives
+    return out
+
+
+@pytest.mark.parametrize("k_name,v_name", PAIRS)
+def test_folded_decode_matches_sdpa_over_dequantized_vectors(k_name, v_name):
+    k_fmt, v_fmt = FORMATS[k_name], FORMATS[v_name]
+    lengths = _lengths(k_fmt, v_fmt)
+    main = _stored_stream(lengths, k_fmt, v_fmt, seed=1)
+    tail = _stored_stream([3, 0, 5, 1, 16], FORMATS["fp8"], FORMATS["fp16"], 2, logit_bias=0.7)
+    generator = torch.Generator().manual_seed(3)
+    # Each KV head hides its own vectors of the main stream (a selecting step's summaries);
+    # one head of sequence 4 sees only the tail.
+    query_mask = torch.rand(len(lengths), HEADS, max(lengths), generator=generator) < 0.8
+    query_mask[4, 1] = False
+    streams = [dataclasses.replace(main.stream, query_mask=query_mask), tail.stream]
+    assert folds_any(streams) and folds(main.stream.k) == (k_name in FORMATS_THAT_FOLD)
+    q = torch.randn(len(lengths), HEADS * GROUP, DIM, generator=generator)
+    starts = torch.arange(len(lengths) + 1, dtype=torch.int32)
+    scale = DIM**-0.5
+
+    expected = _oracle(q, [main, tail], query_mask, scale)
+    folded = folded_decode_attention(q, starts, streams, scale)
+    assert not folded.isnan().any()
+    assert relative_error(folded, expected) <= TOLERANCE
+    through_backend = cache_attention_torch(q, None, starts, streams, scale)
+    assert relative_error(through_backend, expected) <= TOLERANCE
+
+
+def test_only_group_scaled_pools_fold():
+    """Folding assumes value = scale * element number (+ zero) per group: pools without group
+    scales and codes decoded otherwise (Lloyd levels, zero in the scale word) do not fold."""
+    for name, fmt in FORMATS.items():
+        pool = _stored_stream([BLOCK], fmt, fmt, seed=0).stream.k
+        assert folds(pool) == (name in FORMATS_THAT_FOLD), name
