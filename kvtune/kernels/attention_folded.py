@@ -56,36 +56,45 @@ class BlockVectors:
     rows: int
 
 
-def read_block_vectors(pool: KVPool, table: torch.Tensor, valid: torch.Tensor) -> BlockVectors:
-    """The vectors of the blocks `table` [S, blocks] lists (valid ids, on the pool's device),
-    valid: bool [S, T], on the device that attends (a host-tier pool may live elsewhere: its
-    codes are gathered where they are and moved, a quarter of the fp32 numbers' bytes)."""
+def read_block_vectors(
+    pool: KVPool, table: torch.Tensor, padding: torch.Tensor | None, device: torch.device
+) -> BlockVectors:
+    """The vectors of the blocks `table` [S, blocks] lists (valid ids, on the pool's device) on
+    `device`, the one that attends (a host-tier pool may live elsewhere: its codes are gathered
+    where they are and moved, a quarter of the fp32 numbers' bytes). padding: bool [S, T], the
+    rows past each sequence's length, or None where there are none."""
     seqs, blocks = table.shape
-    block_size, heads, device = pool.block_size, pool.num_heads, valid.device
+    block_size, heads = pool.block_size, pool.num_heads
+    fmt, ids = pool.fmt, table.flatten()
     if not folds(pool):
-        values = read_blocks_ref(pool, table).to(device).transpose(1, 2).contiguous()
-        if not bool(valid.all()):
-            values.masked_fill_(~valid[:, None, :, None], 0.0)
+        if fmt.quantized:
+            values = read_blocks_ref(pool, table).to(device).transpose(1, 2).contiguous()
+        else:  # the codes are the values: one copy into place (a step's tail reads a few)
+            codes = pool.codes.index_select(0, ids).to(device)
+            values = torch.empty(seqs, heads, blocks * block_size, codes.shape[-1], device=device)
+            values.view(seqs, heads, blocks, block_size, -1).copy_(
+                codes.view(seqs, blocks, block_size, heads, -1).permute(0, 3, 1, 2, 4)
+            )
+        if padding is not None:
+            values.masked_fill_(padding[:, None, :, None], 0.0)
         return BlockVectors(values, None, None, 1)
-    fmt = pool.fmt
     rows = fmt.token_group
     # Codes put in [S, H, blocks, block_size, bytes] before decoding, so that the numbers come
     # out contiguous in the layout the products read.
-    codes = pool.codes.index_select(0, table.flatten()).to(device)
-    codes = codes.view(seqs, blocks, block_size, heads, -1)
+    codes = pool.codes.index_select(0, ids).to(device).view(seqs, blocks, block_size, heads, -1)
     numbers = fmt.element.decode(codes.permute(0, 3, 1, 2, 4)).flatten(2, 3)  # [S, H, T, D]
-    stored = pool.scales.index_select(0, table.flatten()).to(device)  # [S*blocks, bs/rows, H, W]
+    stored = pool.scales.index_select(0, ids).to(device)  # [S * blocks, bs / rows, H, W]
     scales = fmt.scale_format.decode(stored).view(seqs, -1, heads, stored.shape[-1])
     scales = scales.transpose(1, 2)  # [S, H, T / rows, W]
     if not pool.unit_tensor_scale:
         scales = scales * pool.tensor_scale.to(device)
     groups = pool.head_dim // fmt.group_size
     scale, zero = scales[..., :groups], scales[..., groups:] if fmt.zero_point else None
-    if not bool(valid.all()):
-        numbers.masked_fill_(~valid[:, None, :, None], 0.0)  # decoding made them fresh
-        row_used = valid.view(seqs, 1, -1, rows).any(-1)[..., None]
-        scale = scale.masked_fill(~row_used, 0.0)
-        zero = None if zero is None else zero.masked_fill(~row_used, 0.0)
+    if padding is not None:
+        numbers.masked_fill_(padding[:, None, :, None], 0.0)  # decoding made them fresh
+        unused = padding.view(seqs, 1, -1, rows).all(-1)[..., None]
+        scale = scale.masked_fill(unused, 0.0)
+        zero = None if zero is None else zero.masked_fill(unused, 0.0)
     if rows > 1:
         by_row = numbers.unflatten(2, (-1, rows))  # [S, H, T / rows, rows, D]
         by_row *= _per_channel(scale, pool.head_dim)[:, :, :, None, :]
@@ -188,15 +197,20 @@ def _stream_part(
         return None
     blocks = -(-longest // stream.block_size)
     table = sub_stream.block_table[:, :blocks].clamp(min=0).to(stream.k.codes.device)
-    tokens = blocks * stream.block_size
-    valid = torch.arange(tokens, device=queries.device)[None, :] < sub_stream.lengths[:, None]
-    keys = read_block_vectors(stream.k, table, valid)
-    values = read_block_vectors(stream.v, table, valid)
-    visible = valid[:, None, None, :]  # [S, 1, 1, T]
+    tokens, device = blocks * stream.block_size, queries.device
+    valid = torch.arange(tokens, device=device)[None, :] < sub_stream.lengths[:, None]
+    # Checked once: a batch of one, or of equal lengths in whole blocks, masks nothing.
+    padding = None if bool(valid.all()) else ~valid
+    keys = read_block_vectors(stream.k, table, padding, device)
+    values = read_block_vectors(stream.v, table, padding, device)
+    hidden = None if padding is None else padding[:, None, None, :]  # [S, 1, 1, T]
     if stream.query_mask is not None:  # per KV head: [S, H, 1, T]
-        mask = stream.query_mask[group.rows[:, 0]][..., :longest]
-        visible = visible & F.pad(mask, (0, tokens - longest))[:, :, None, :]
-    logits = key_logits(queries, keys).masked_fill(~visible, -math.inf)
+        shown = stream.query_mask[group.rows[:, 0]][..., :longest]
+        shown = F.pad(shown, (0, tokens - longest))[:, :, None, :]
+        hidden = ~shown if hidden is None else hidden | ~shown
+    logits = key_logits(queries, keys)
+    if hidden is not None:
+        logits = logits.masked_fill(hidden, -math.inf)
     if stream.logit_bias:
         logits = logits + stream.logit_bias
     return logits, values

@@ -161,3 +161,16 @@ def test_only_group_scaled_pools_fold():
     for name, fmt in FORMATS.items():
         pool = _stored_stream([BLOCK], fmt, fmt, seed=0).stream.k
         assert folds(pool) == (name in FORMATS_THAT_FOLD), name
+
+
+@pytest.mark.parametrize("k_name,v_name", PAIRS)
+def test_folded_decode_of_whole_blocks_alone(k_name, v_name):
+    """A batch of one sequence in whole blocks, without a query mask: the path that masks
+    nothing (a batch-1 decode step's int4 stream)."""
+    main = _stored_stream([3 * BLOCK], FORMATS[k_name], FORMATS[v_name], seed=4)
+    q = torch.randn(1, HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(5))
+    starts = torch.tensor([0, 1], dtype=torch.int32)
+    shows_all = torch.ones(1, HEADS, 3 * BLOCK, dtype=torch.bool)
+    expected = _oracle(q, [main], shows_all, DIM**-0.5)
+    folded = folded_decode_attention(q, starts, [main.stream], DIM**-0.5)
+    assert relative_error(folded, expected) <= TOLERANCE
