@@ -1,22 +1,27 @@
 """Where a decode step's attention time goes: fp16 against a selecting CSA policy, stage by stage.
 
     python -m benchmarks.decode_profile [--policy NAME] [--context 4096] [--steps 24] [--batch 1]
+        [--unfolded]
 
-Both engines decode the same random prompts and step in turns (as `benchmarks.compression`
-times them); every stage below is timed by wrapping the runtime's own functions for the run:
-the KV cache's attend (all of a layer's cache work), the attention call, the cache write, the
-maintenance copies, block scoring and choice (select_blocks), the host-tier fetch, and the
-rotations of queries, keys, values and outputs. Prints milliseconds per step (medians of the
-step totals; stage times are means, summed over layers) and the torch operator calls of one
-more step under the profiler (calls made from Python, each stage counting those inside it): on
-a CPU a selecting step is bound by calls, not bytes, and the counts do not drift with the
-machine's load as times do.
+With --unfolded a third engine runs the same policy with decode attention by SDPA over
+dequantized vectors instead of folding group scales into queries and weights
+(`kvtune.kernels.attention_folded`): the two paths timed in the same run. The engines decode
+the same random prompts and step in turns (as `benchmarks.compression` times them); every
+stage below is timed by wrapping the runtime's own functions for the run: the KV cache's
+attend (all of a layer's cache work), the attention call, the cache write, the maintenance
+copies, block scoring and choice (select_blocks), the host-tier fetch, and the rotations of
+queries, keys, values and outputs. Prints milliseconds per step (medians of the step totals;
+stage times are means, summed over layers) and the torch operator calls of one more step
+under the profiler (calls made from Python, each stage counting those inside it): on a CPU a
+selecting step is bound by calls, not bytes, and the counts do not drift with the machine's
+load as times do.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -30,6 +35,7 @@ import kvtune.runtime.kv_cache as kv_cache
 from benchmarks.compression import DECODE_HEADROOM, POLICIES
 from benchmarks.decoding import finish_running, random_prompts, start_decoding
 from benchmarks.tables import print_rows
+from kvtune.kernels.attention_torch import cache_attention_torch
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -130,12 +136,12 @@ def wrapped(clock: StageClock, engines: list[LLM]) -> Iterator[None]:
 
 
 def profile(
-    base: LLM, llm: LLM, context: int, steps: int, batch: int
+    runs: dict[str, LLM], context: int, steps: int, batch: int
 ) -> tuple[dict[str, float], dict[tuple[str, str], float], dict[str, dict[str, int]]]:
-    """(median step ms per label, stage ms per step per (label, stage)) over `steps` steps,
-    and each label's operator calls in one more step (`operator_calls`)."""
+    """(median step ms per label, stage ms per step per (label, stage)) over `steps` steps of
+    each engine of runs (by label), and each label's operator calls in one more step
+    (`operator_calls`)."""
     prompts = random_prompts(context, batch)
-    runs = {"fp16": base, "policy": llm}
     for run in runs.values():
         start_decoding(run.engine, prompts, DECODE_HEADROOM)
     clock = StageClock()
@@ -162,6 +168,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--markdown", action="store_true")
+    parser.add_argument(
+        "--unfolded",
+        action="store_true",
+        help="also time the policy with decode attention by SDPA over dequantized vectors",
+    )
     args = parser.parse_args()
     if args.policy not in POLICIES:
         parser.error(f"--policy: unknown {args.policy!r}; known: {', '.join(POLICIES)}")
@@ -171,9 +182,15 @@ def main() -> None:
     base = LLM(
         resolve_model("smollm2-135m"), policy=FP16, max_model_len=length, max_num_seqs=args.batch
     )
-    llm = base.with_policy(POLICIES[args.policy])
-    medians, stages, calls = profile(base, llm, args.context, args.steps, args.batch)
-    labels = ("fp16", "policy")
+    runs = {"fp16": base, "policy": base.with_policy(POLICIES[args.policy])}
+    if args.unfolded:  # its own engine: reuse steps fall on the same positions as the policy's
+        unfolded = base.with_policy(POLICIES[args.policy])
+        ops = unfolded.engine.cache.ops
+        attention = functools.partial(cache_attention_torch, fold=False)
+        unfolded.engine.cache.ops = dataclasses.replace(ops, attention=attention)
+        runs["unfolded"] = unfolded
+    medians, stages, calls = profile(runs, args.context, args.steps, args.batch)
+    labels = tuple(runs)
     rows = [
         [
             "step (median)",
@@ -189,10 +206,12 @@ def main() -> None:
                 *(str(calls[label].get(stage, 0)) for label in labels),
             ]
         )
-    headers = ["a step", "fp16 ms", "policy ms", "fp16 calls", "policy calls"]
+    headers = ["a step", *(f"{label} ms" for label in labels)]
+    headers += [f"{label} calls" for label in labels]
     print_rows(headers, rows, args.markdown, Console())
     print(f"policy: {args.policy}")
-    print(f"policy step / fp16 step: {medians['policy'] / medians['fp16']:.2f}")
+    for label in labels[1:]:
+        print(f"{label} step / fp16 step: {medians[label] / medians['fp16']:.2f}")
 
 
 if __name__ == "__main__":

@@ -164,18 +164,21 @@ def cache_attention_torch(
     streams: Sequence[PagedStream],
     scale: float,
     max_q_len: int | None = None,
+    fold: bool = True,
 ) -> torch.Tensor:
     """out fp32 [Nq, Hq, D] over all streams of each sequence's cache at once.
 
     The streams' vectors are gathered side by side, each with its own logit bias in the mask,
     and torch's fused scaled_dot_product_attention runs one softmax over all of them: the same
     result as attending each stream and merging by log-sum-exp, without materialising the
-    logits (the per-stream path spent a third of a CSA prefill in logsumexp and exp).
+    logits (the per-stream path spent a third of a CSA prefill in logsumexp and exp). A decode
+    step that reads group-scaled codes folds their scales instead (`attention_folded`), unless
+    fold is False (benchmarks time the two against each other).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if q_positions is None:
         streams = merge_decode_streams(streams)
-        if folds_any(streams):  # scales folded into queries and weights: no dequantizing
+        if fold and folds_any(streams):  # scales folded into queries and weights
             return folded_decode_attention(q, q_seq_starts, streams, scale)
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for group in query_groups(q_seq_starts):
