@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kvtune.kernels import element_formats
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.pool import KVPool, read_blocks_ref
+from kvtune.kernels.pool import KVPool, gather_blocks, read_blocks_ref
 from kvtune.kernels.query_groups import QueryGroup, query_groups
 
 
@@ -63,29 +63,20 @@ def read_block_vectors(
     `device`, the one that attends (a host-tier pool may live elsewhere: its codes are gathered
     where they are and moved, a quarter of the fp32 numbers' bytes). padding: bool [S, T], the
     rows past each sequence's length, or None where there are none."""
-    seqs, blocks = table.shape
-    block_size, heads = pool.block_size, pool.num_heads
-    fmt, ids = pool.fmt, table.flatten()
+    seqs = table.shape[0]
+    fmt = pool.fmt
     if not folds(pool):
-        if fmt.quantized:
-            values = read_blocks_ref(pool, table).to(device).transpose(1, 2).contiguous()
-        else:  # the codes are the values: one copy into place (a step's tail reads a few)
-            codes = pool.codes.index_select(0, ids).to(device)
-            values = torch.empty(seqs, heads, blocks * block_size, codes.shape[-1], device=device)
-            values.view(seqs, heads, blocks, block_size, -1).copy_(
-                codes.view(seqs, blocks, block_size, heads, -1).permute(0, 3, 1, 2, 4)
-            )
+        values = read_blocks_ref(pool, table).to(device).transpose(1, 2).contiguous()
         if padding is not None:
             values.masked_fill_(padding[:, None, :, None], 0.0)
         return BlockVectors(values, None, None, 1)
     rows = fmt.token_group
     # Codes put in [S, H, blocks, block_size, bytes] before decoding, so that the numbers come
     # out contiguous in the layout the products read.
-    codes = pool.codes.index_select(0, ids).to(device).view(seqs, blocks, block_size, heads, -1)
+    codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, bytes]
     numbers = fmt.element.decode(codes.permute(0, 3, 1, 2, 4)).flatten(2, 3)  # [S, H, T, D]
-    stored = pool.scales.index_select(0, ids).to(device)  # [S * blocks, bs / rows, H, W]
-    scales = fmt.scale_format.decode(stored).view(seqs, -1, heads, stored.shape[-1])
-    scales = scales.transpose(1, 2)  # [S, H, T / rows, W]
+    stored = gather_blocks(pool.scales, table).to(device)  # [S, blocks, bs / rows, H, W]
+    scales = fmt.scale_format.decode(stored).flatten(1, 2).transpose(1, 2)  # [S, H, T/rows, W]
     if not pool.unit_tensor_scale:
         scales = scales * pool.tensor_scale.to(device)
     groups = pool.head_dim // fmt.group_size
@@ -163,6 +154,7 @@ def folded_decode_attention(
     """out fp32 [Nq, Hq, D] of decode queries (one a sequence, seeing every stored vector of
     its streams, within each stream's query_mask), in one softmax over all streams."""
     num_tokens, num_q_heads, head_dim = q.shape
+    heads = streams[0].num_kv_heads
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for group in query_groups(q_seq_starts):
         if group.rows.shape[1] != 1:
@@ -170,7 +162,6 @@ def folded_decode_attention(
                 f"q_seq_starts: decode takes one query a sequence, not {group.rows.shape[1]}"
             )
         rows = group.rows[:, 0]
-        heads = streams[0].num_kv_heads
         queries = (q[rows].float() * scale).view(len(rows), heads, num_q_heads // heads, head_dim)
         parts = [_stream_part(stream, group, queries) for stream in streams]
         parts = [part for part in parts if part is not None]

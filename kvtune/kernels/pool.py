@@ -117,8 +117,8 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     """fp32 vectors [S, blocks * block_size, num_heads, head_dim] of the blocks table [S, blocks]
     lists (valid block ids), in order. Gathers whole blocks (a contiguous copy each), far
     cheaper than slots."""
-    codes = _gather_blocks(pool.codes, table)  # [S, blocks, block_size, heads, width]
-    scales = None if pool.scales is None else _gather_blocks(pool.scales, table)
+    codes = gather_blocks(pool.codes, table)  # [S, blocks, block_size, heads, width]
+    scales = None if pool.scales is None else gather_blocks(pool.scales, table)
     rows = pool.fmt.token_group
     if rows > 1:  # a scale row serves `rows` consecutive tokens: broadcast it, not repeat it
         codes = codes.unflatten(2, (-1, rows))
@@ -128,7 +128,7 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     return values.flatten(1, values.dim() - 3)
 
 
-def _gather_blocks(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def gather_blocks(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """blocks[table] ([*table.shape, *blocks.shape[1:]]) by index_select, which copies whole
     blocks: 4x faster than advanced indexing on a CPU for a decode step's hundred blocks. It
     takes int32 ids as they are (a conversion a gather was a tenth of a decode step's ops)."""
