@@ -1,27 +1,22 @@
 """Where a decode step's attention time goes: fp16 against a selecting CSA policy, stage by stage.
 
     python -m benchmarks.decode_profile [--policy NAME] [--context 4096] [--steps 24] [--batch 1]
-        [--unfolded]
 
-With --unfolded a third engine runs the same policy with decode attention by SDPA over
-dequantized vectors instead of folding group scales into queries and weights
-(`kvtune.kernels.attention_folded`): the two paths timed in the same run. The engines decode
-the same random prompts and step in turns (as `benchmarks.compression` times them); every
-stage below is timed by wrapping the runtime's own functions for the run: the KV cache's
-attend (all of a layer's cache work), the attention call, the cache write, the maintenance
-copies, block scoring and choice (select_blocks), the host-tier fetch, and the rotations of
-queries, keys, values and outputs. Prints milliseconds per step (medians of the step totals;
-stage times are means, summed over layers) and the torch operator calls of one more step
-under the profiler (calls made from Python, each stage counting those inside it): on a CPU a
-selecting step is bound by calls, not bytes, and the counts do not drift with the machine's
-load as times do.
+The engines decode the same random prompts and step in turns (as `benchmarks.compression`
+times them); every stage below is timed by wrapping the runtime's own functions for the run:
+the KV cache's attend (all of a layer's cache work), the attention call, the cache write, the
+maintenance copies, block scoring and choice (select_blocks), the host-tier fetch, and the
+rotations of queries, keys, values and outputs. Prints milliseconds per step (medians of the
+step totals; stage times are means, summed over layers) and the torch operator calls of one
+more step under the profiler (calls made from Python, each stage counting those inside it): on
+a CPU a selecting step is bound by calls, not bytes, and the counts do not drift with the
+machine's load as times do.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -35,7 +30,6 @@ import kvtune.runtime.kv_cache as kv_cache
 from benchmarks.compression import DECODE_HEADROOM, POLICIES
 from benchmarks.decoding import finish_running, random_prompts, start_decoding
 from benchmarks.tables import print_rows
-from kvtune.kernels.attention_torch import cache_attention_torch
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -168,11 +162,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--markdown", action="store_true")
-    parser.add_argument(
-        "--unfolded",
-        action="store_true",
-        help="also time the policy with decode attention by SDPA over dequantized vectors",
-    )
     args = parser.parse_args()
     if args.policy not in POLICIES:
         parser.error(f"--policy: unknown {args.policy!r}; known: {', '.join(POLICIES)}")
@@ -183,12 +172,6 @@ def main() -> None:
         resolve_model("smollm2-135m"), policy=FP16, max_model_len=length, max_num_seqs=args.batch
     )
     runs = {"fp16": base, "policy": base.with_policy(POLICIES[args.policy])}
-    if args.unfolded:  # its own engine: reuse steps fall on the same positions as the policy's
-        unfolded = base.with_policy(POLICIES[args.policy])
-        ops = unfolded.engine.cache.ops
-        attention = functools.partial(cache_attention_torch, fold=False)
-        unfolded.engine.cache.ops = dataclasses.replace(ops, attention=attention)
-        runs["unfolded"] = unfolded
     medians, stages, calls = profile(runs, args.context, args.steps, args.batch)
     labels = tuple(runs)
     rows = [

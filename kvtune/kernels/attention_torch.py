@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_folded import folded_decode_attention, folds_any
+from kvtune.kernels.attention_decode_torch import decode_attention_torch
 from kvtune.kernels.pool import read_blocks_ref
 from kvtune.kernels.query_groups import QueryGroup, query_groups
 
@@ -164,7 +164,6 @@ def cache_attention_torch(
     streams: Sequence[PagedStream],
     scale: float,
     max_q_len: int | None = None,
-    fold: bool = True,
 ) -> torch.Tensor:
     """out fp32 [Nq, Hq, D] over all streams of each sequence's cache at once.
 
@@ -172,14 +171,11 @@ def cache_attention_torch(
     and torch's fused scaled_dot_product_attention runs one softmax over all of them: the same
     result as attending each stream and merging by log-sum-exp, without materialising the
     logits (the per-stream path spent a third of a CSA prefill in logsumexp and exp). A decode
-    step that reads group-scaled codes folds their scales instead (`attention_folded`), unless
-    fold is False (benchmarks time the two against each other).
+    step dequantizes straight into SDPA's layout instead (`attention_decode_torch`).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if q_positions is None:
-        streams = merge_decode_streams(streams)
-        if fold and folds_any(streams):  # scales folded into queries and weights
-            return folded_decode_attention(q, q_seq_starts, streams, scale)
+        return decode_attention_torch(q, q_seq_starts, merge_decode_streams(streams), scale)
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for group in query_groups(q_seq_starts):
         parts = [(group_keys(stream, group, q_positions), stream.logit_bias) for stream in streams]

@@ -1,5 +1,5 @@
 """Packed queries grouped by sequence length in queries: the unit the torch attention paths
-batch (`kvtune.kernels.attention_torch`, `kvtune.kernels.attention_folded`)."""
+batch (`kvtune.kernels.attention_torch`, `kvtune.kernels.attention_decode_torch`)."""
 
 from __future__ import annotations
 

@@ -50,9 +50,8 @@ def test_batched_torch_attention_matches_reference(
     decode_q = q[: len(LENGTHS)]
     expected, _ = decode_attention_ref(decode_q, case.stream, scale)
     seq_starts = torch.arange(len(LENGTHS) + 1, dtype=torch.int32)
-    for fold in (True, False):  # group scales folded (where a pool has them), or SDPA
-        result = cache_attention_torch(decode_q, None, seq_starts, [case.stream], scale, fold=fold)
-        assert relative_error(result, expected) <= TOLERANCE
+    result = cache_attention_torch(decode_q, None, seq_starts, [case.stream], scale)
+    assert relative_error(result, expected) <= TOLERANCE
 
 
 @pytest.mark.parametrize("formats", CSA_FORMATS, ids=["fp32", "mixed"])
@@ -109,9 +108,8 @@ def test_decode_reads_streams_of_shared_pools_as_one():
     q = torch.randn(4, 6, 64, generator=torch.Generator().manual_seed(3))
     expected, _ = merge_attention_ref([decode_attention_ref(q, s, 0.125) for s in streams])
     seq_starts = torch.arange(5, dtype=torch.int32)
-    for fold in (True, False):
-        actual = cache_attention_torch(q, None, seq_starts, streams, 0.125, fold=fold)
-        assert relative_error(actual, expected) <= TOLERANCE
+    actual = cache_attention_torch(q, None, seq_starts, streams, 0.125)
+    assert relative_error(actual, expected) <= TOLERANCE
 
 
 def _sub_stream(whole, split: list[tuple[int, int, int]], logit_bias: float):

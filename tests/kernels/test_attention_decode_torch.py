@@ -1,7 +1,10 @@
-"""Decode attention with group scales folded into queries and weights equals SDPA over the
-dequantized vectors (each slot read back by the pool's reference reader), for every layout of
-scales a format has: one scale row a vector or a token group, one group a vector or several,
-with and without zero points, beside pools that do not fold."""
+"""The torch backend's decode attention (each pool dequantized straight into SDPA's layout)
+equals SDPA over the vectors the pool's reference reader returns slot by slot, for every layout
+of scales a format has (one scale row a vector or a token group, one group a vector or several,
+with and without zero points), for codes decoded through the reference (Lloyd, zero in the
+scale word, per-tensor fp8) and unquantized pools, and for every way a step hides vectors:
+padding of unequal lengths, a last stream cut where its sequences end, per-KV-head query masks,
+logit biases, or nothing at all."""
 
 import dataclasses
 import math
@@ -12,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_folded import folded_decode_attention, folds, folds_any
+from kvtune.kernels.attention_decode_torch import decode_attention_torch
 from kvtune.kernels.attention_torch import cache_attention_torch
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import read_vectors_ref, write_vectors_ref
@@ -29,7 +32,7 @@ FORMATS = {
     "int4_channel": KVFormat("int4", 1, "fp16", token_group=BLOCK),
     "int2_g2_channel": KVFormat("int2", 2, "fp16", token_group=BLOCK),
     "fp4_g16_token_pairs": KVFormat("fp4", 16, "fp16", token_group=2),
-    # Pools that do not fold: read dequantized, in the same softmax.
+    # Unquantized, and codes decoded through the reference reader.
     "fp16": KVFormat("fp16"),
     "fp8": KVFormat("fp8"),
     "lloyd4_g64": KVFormat("lloyd4", 64),
@@ -45,14 +48,6 @@ PAIRS = [
     ("int4_g64", "fp16"),
     ("int4_zp_in_scale_g64", "fp8_g16"),
 ]
-FORMATS_THAT_FOLD = {
-    "int4_g64",
-    "int4_g32",
-    "fp8_g16",
-    "int4_channel",
-    "int2_g2_channel",
-    "fp4_g16_token_pairs",
-}
 HEADS, GROUP, DIM = 2, 3, 64
 
 
@@ -131,7 +126,7 @@ def _oracle(q, cases, query_mask, scale) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("k_name,v_name", PAIRS)
-def test_folded_decode_matches_sdpa_over_dequantized_vectors(k_name, v_name):
+def test_decode_with_padding_and_query_masks_matches_sdpa(k_name, v_name):
     k_fmt, v_fmt = FORMATS[k_name], FORMATS[v_name]
     lengths = _lengths(k_fmt, v_fmt)
     main = _stored_stream(lengths, k_fmt, v_fmt, seed=1)
@@ -142,29 +137,20 @@ def test_folded_decode_matches_sdpa_over_dequantized_vectors(k_name, v_name):
     query_mask = torch.rand(len(lengths), HEADS, max(lengths), generator=generator) < 0.8
     query_mask[4, 1] = False
     streams = [dataclasses.replace(main.stream, query_mask=query_mask), tail.stream]
-    assert folds_any(streams) and folds(main.stream.k) == (k_name in FORMATS_THAT_FOLD)
     q = torch.randn(len(lengths), HEADS * GROUP, DIM, generator=generator)
     starts = torch.arange(len(lengths) + 1, dtype=torch.int32)
     scale = DIM**-0.5
 
     expected = _oracle(q, [main, tail], query_mask, scale)
-    folded = folded_decode_attention(q, starts, streams, scale)
-    assert not folded.isnan().any()
-    assert relative_error(folded, expected) <= TOLERANCE
+    actual = decode_attention_torch(q, starts, streams, scale)
+    assert not actual.isnan().any()
+    assert relative_error(actual, expected) <= TOLERANCE
     through_backend = cache_attention_torch(q, None, starts, streams, scale)
     assert relative_error(through_backend, expected) <= TOLERANCE
 
 
-def test_only_group_scaled_pools_fold():
-    """Folding assumes value = scale * element number (+ zero) per group: pools without group
-    scales and codes decoded otherwise (Lloyd levels, zero in the scale word) do not fold."""
-    for name, fmt in FORMATS.items():
-        pool = _stored_stream([BLOCK], fmt, fmt, seed=0).stream.k
-        assert folds(pool) == (name in FORMATS_THAT_FOLD), name
-
-
 @pytest.mark.parametrize("k_name,v_name", PAIRS)
-def test_folded_decode_of_whole_blocks_alone(k_name, v_name):
+def test_decode_of_whole_blocks_alone(k_name, v_name):
     """A batch of one sequence in whole blocks, without a query mask: the path that masks
     nothing (a batch-1 decode step's int4 stream)."""
     main = _stored_stream([3 * BLOCK], FORMATS[k_name], FORMATS[v_name], seed=4)
@@ -172,5 +158,28 @@ def test_folded_decode_of_whole_blocks_alone(k_name, v_name):
     starts = torch.tensor([0, 1], dtype=torch.int32)
     shows_all = torch.ones(1, HEADS, 3 * BLOCK, dtype=torch.bool)
     expected = _oracle(q, [main], shows_all, DIM**-0.5)
-    folded = folded_decode_attention(q, starts, [main.stream], DIM**-0.5)
-    assert relative_error(folded, expected) <= TOLERANCE
+    actual = decode_attention_torch(q, starts, [main.stream], DIM**-0.5)
+    assert relative_error(actual, expected) <= TOLERANCE
+
+
+@pytest.mark.parametrize("k_name,v_name", PAIRS)
+def test_decode_of_equal_lengths_cuts_the_last_stream(k_name, v_name):
+    """Sequences that all end at one length in a stream of partial blocks: it is cut there, its
+    poisoned rows past the length written over by the next stream or left out after the last;
+    a biased stream of whole blocks needs only its bias, and a stream of unequal lengths after
+    a cut one is masked."""
+    k_fmt, v_fmt = FORMATS[k_name], FORMATS[v_name]
+    rows = max(k_fmt.token_group, v_fmt.token_group)
+    partial = -(-37 // rows) * rows
+    main = _stored_stream([partial] * 3, k_fmt, v_fmt, seed=6)
+    whole = _stored_stream([2 * BLOCK] * 3, k_fmt, v_fmt, seed=7, logit_bias=-0.4)
+    tail = _stored_stream([5] * 3, FORMATS["fp16"], FORMATS["fp16"], seed=8)
+    unequal = _stored_stream([3, 0, 20], FORMATS["fp8"], FORMATS["int4_g32"], seed=10)
+    q = torch.randn(3, HEADS * GROUP, DIM, generator=torch.Generator().manual_seed(9))
+    starts = torch.arange(4, dtype=torch.int32)
+    scale = DIM**-0.5
+    for cases in ([main, whole, tail], [whole, main], [main], [tail], [main, unequal, tail]):
+        shows_all = torch.ones(3, HEADS, len(cases[0].keys[0]), dtype=torch.bool)
+        expected = _oracle(q, cases, shows_all, scale)
+        actual = decode_attention_torch(q, starts, [case.stream for case in cases], scale)
+        assert relative_error(actual, expected) <= TOLERANCE, [len(c.keys[0]) for c in cases]
