@@ -4,9 +4,8 @@
 A decode step reads every stored vector of its streams once. Read by the pool's generic reader,
 vectors come out as [seq, token, head, channel], a concatenation transposes them for SDPA, and
 streams of unequal lengths need an additive mask. Here each pool is decoded into its slice of
-one preallocated buffer in the layout SDPA reads: element codes decoded, then one multiply by
-the group scales and one add of the zero points, the scales broadcast along a leading
-dimension (torch's broadcast along the innermost one ran 3x slower). A mask is built only
+one preallocated buffer in the layout SDPA reads (`kvtune.kernels.pool.read_blocks_into`). A
+mask is built only
 where something must be hidden: a stream whose sequences all end at one length (any stream of
 a batch of one) is cut there and the next stream is written over the rows past it; rows past
 unequal lengths are zeroed by index. Timings against the paths this replaced:
@@ -22,58 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvtune.kernels import element_formats
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.pool import KVPool, gather_blocks, read_blocks_ref
+from kvtune.kernels.pool import read_blocks_into
 from kvtune.kernels.query_groups import query_groups
-
-
-def _scaled_codes(pool: KVPool) -> bool:
-    """Whether pool stores element code * group scale (+ zero point), which
-    `write_block_vectors` decodes itself (Lloyd and zero-in-scale codes decode otherwise:
-    `kvtune.kernels.quantize.dequantize_ref`)."""
-    fmt = pool.fmt
-    return (
-        pool.scales is not None
-        and fmt.element.family != element_formats.CODE_LLOYD
-        and fmt.dtype != "int4_zp_in_scale"
-    )
-
-
-def write_block_vectors(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> None:
-    """Dequantize the blocks table [S, blocks] lists (valid ids, on the pool's device) into out,
-    fp32 [S, H, blocks * block_size, D] on the attending device (a slice of a larger buffer
-    along tokens). A host-tier pool elsewhere is gathered where it lives and moved as codes."""
-    device, fmt = out.device, pool.fmt
-    codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
-    by_block = codes.permute(0, 3, 1, 2, 4)  # [S, H, blocks, block_size, width]
-    if not fmt.quantized:  # fp16, bf16, fp32: the codes are the values
-        out.view(by_block.shape).copy_(by_block)
-        return
-    if not _scaled_codes(pool):
-        out.copy_(read_blocks_ref(pool, table).to(device).transpose(1, 2))
-        return
-    seqs, heads, tokens, head_dim = out.shape
-    rows, groups = fmt.token_group, head_dim // fmt.group_size
-    numbers = fmt.element.decode(by_block)  # [S, H, blocks, block_size, D]
-    stored = gather_blocks(pool.scales, table).to(device)  # [S, blocks, bs / rows, H, W]
-    scales = fmt.scale_format.decode(stored).permute(0, 3, 1, 2, 4)  # [S, H, blocks, bs/rows, W]
-    if not pool.unit_tensor_scale:
-        scales = scales * pool.tensor_scale.to(device)
-    # Vectors as [S, H, token groups, (rows,) (groups, channels a group) or channels], and the
-    # scales broadcast over rows and channels: the fewest dimensions the product needs (one
-    # scale a channel or one a vector needs no split).
-    leading = [seqs, heads, tokens // rows] + ([rows] if rows > 1 else [])
-    split = 1 < groups < head_dim
-    channels = [groups, head_dim // groups] if split else [head_dim]
-    per_group = [seqs, heads, tokens // rows] + ([1] if rows > 1 else [])
-    per_group += [groups, 1] if split else [groups]
-    target = out.view(*leading, *channels)
-    torch.mul(
-        numbers.view(*leading, *channels), scales[..., :groups].reshape(per_group), out=target
-    )
-    if fmt.zero_point:
-        target.add_(scales[..., groups:].reshape(per_group))
 
 
 @dataclass(frozen=True)
@@ -130,8 +80,8 @@ def decode_attention_torch(
             stop = start + part.tokens
             table = part.stream.block_table[:, : part.tokens // part.stream.block_size]
             table = table.clamp(min=0).to(part.stream.k.codes.device)
-            write_block_vectors(part.stream.k, table, keys[:, :, start:stop])
-            write_block_vectors(part.stream.v, table, values[:, :, start:stop])
+            read_blocks_into(part.stream.k, table, keys[:, :, start:stop])
+            read_blocks_into(part.stream.v, table, values[:, :, start:stop])
             mask = None
             if part.equal:  # cut where its sequences end: the next stream writes over the rest
                 stop = start + part.longest

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtune.kernels import element_formats
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.quantize import (
     check_kernel_format,
@@ -128,6 +129,59 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
     return values.flatten(1, values.dim() - 3)
 
 
+def _scaled_codes(pool: KVPool) -> bool:
+    """Whether pool stores element code * group scale (+ zero point), which
+    `read_blocks_into` decodes itself (Lloyd and zero-in-scale codes decode otherwise:
+    `kvtune.kernels.quantize.dequantize_ref`)."""
+    fmt = pool.fmt
+    return (
+        pool.scales is not None
+        and fmt.element.family != element_formats.CODE_LLOYD
+        and fmt.dtype != "int4_zp_in_scale"
+    )
+
+
+def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> None:
+    """The vectors of the blocks table [S, blocks] lists (valid ids, on the pool's device),
+    dequantized into out, fp32 [S, H, blocks * block_size, D] on the reading device: the
+    layout attention and index products read, where `read_blocks_ref` gives [S, T, H, D]. out
+    may be a slice of a larger buffer along tokens or channels. Group-scaled codes are decoded
+    here: the codes, then one multiply by the scales and one add of the zero points, the
+    scales broadcast along a leading dimension (torch's broadcast along the innermost one ran
+    3x slower); other codes through `dequantize_ref`. A host-tier pool elsewhere is gathered
+    where it lives and moved as codes."""
+    device, fmt = out.device, pool.fmt
+    codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
+    by_block = codes.permute(0, 3, 1, 2, 4)  # [S, H, blocks, block_size, width]
+    if not fmt.quantized:  # fp16, bf16, fp32: the codes are the values
+        out.view(by_block.shape).copy_(by_block)
+        return
+    if not _scaled_codes(pool):
+        out.copy_(read_blocks_ref(pool, table).to(device).transpose(1, 2))
+        return
+    seqs, heads, tokens, head_dim = out.shape
+    rows, groups = fmt.token_group, head_dim // fmt.group_size
+    numbers = fmt.element.decode(by_block)  # [S, H, blocks, block_size, D]
+    stored = gather_blocks(pool.scales, table).to(device)  # [S, blocks, bs / rows, H, W]
+    scales = fmt.scale_format.decode(stored).permute(0, 3, 1, 2, 4)  # [S, H, blocks, bs/rows, W]
+    if not pool.unit_tensor_scale:
+        scales = scales * pool.tensor_scale.to(device)
+    # Vectors as [S, H, token groups, (rows,) (groups, channels a group) or channels], and the
+    # scales broadcast over rows and channels: the fewest dimensions the product needs (one
+    # scale a channel or one a vector needs no split).
+    leading = [seqs, heads, tokens // rows] + ([rows] if rows > 1 else [])
+    split = 1 < groups < head_dim
+    channels = [groups, head_dim // groups] if split else [head_dim]
+    per_group = [seqs, heads, tokens // rows] + ([1] if rows > 1 else [])
+    per_group += [groups, 1] if split else [groups]
+    target = out.view(*leading, *channels)
+    torch.mul(
+        numbers.view(*leading, *channels), scales[..., :groups].reshape(per_group), out=target
+    )
+    if fmt.zero_point:
+        target.add_(scales[..., groups:].reshape(per_group))
+
+
 def gather_blocks(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """blocks[table] ([*table.shape, *blocks.shape[1:]]) by index_select, which copies whole
     blocks: 4x faster than advanced indexing on a CPU for a decode step's hundred blocks. It
@@ -195,10 +249,28 @@ def copy_blocks(
     if heads is not None:
         read_heads = heads.long().to(src.codes.device)
         write_heads = heads.long().to(dst.codes.device)
+    # A head's slice of a block is a row of bytes per token row: gathered and scattered as
+    # whole rows of the [slots * heads, width] view (indexing blocks and heads at once copied
+    # it byte by byte, most of a batch's fetch). Tensors of one row count share their rows.
+    head_rows: dict[tuple[int, bool], torch.Tensor] = {}
     for source, target in ((src.codes, dst.codes), (src.scales, dst.scales)):
         if source is None:
             continue
         if heads is None:
             target[write] = source[read].to(target.device, non_blocking=True)
-        else:
-            target[write, :, write_heads] = source[read, :, read_heads].to(target.device)
+            continue
+        rows = source.shape[1]
+        if (rows, True) not in head_rows:
+            head_rows[rows, True] = _head_rows(read, read_heads, rows, src.num_heads)
+            head_rows[rows, False] = _head_rows(write, write_heads, rows, dst.num_heads)
+        slices = source.flatten(0, 2).index_select(0, head_rows[rows, True])
+        target.flatten(0, 2).index_copy_(0, head_rows[rows, False], slices.to(target.device))
+
+
+def _head_rows(
+    blocks: torch.Tensor, heads: torch.Tensor, rows: int, num_heads: int
+) -> torch.Tensor:
+    """Rows of a [blocks, rows, num_heads, width] tensor viewed as [-1, width] that hold head
+    heads[i] of block blocks[i], block after block, row after row."""
+    offsets = torch.arange(0, rows * num_heads, num_heads, device=blocks.device)
+    return ((blocks * (rows * num_heads) + heads)[:, None] + offsets).flatten()

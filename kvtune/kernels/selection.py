@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_torch import gather_stream, group_keys
-from kvtune.kernels.pool import KVPool, read_blocks_ref, write_vectors_ref
+from kvtune.kernels.attention_torch import group_keys
+from kvtune.kernels.pool import KVPool, read_blocks_into, read_blocks_ref, write_vectors_ref
 from kvtune.kernels.query_groups import query_groups
 from kvtune.kernels.rotation import Rotation, unrotate
 
@@ -106,10 +106,25 @@ def index_products_torch(
 ) -> torch.Tensor:
     """fp32 [S, Hq, length]: each decode query q [S, Hq, D] (one a sequence) with each of its
     sequence's index vectors by the rule of `kind`; undefined past a sequence's length (the
-    rule masks those). The torch twin of `kvtune.kernels.selection_decode.index_products`."""
-    keys, values, _ = gather_stream(index, length, with_values=kind == "bounds", zero_padding=False)
-    queries = _grouped_queries(q, keys.shape[2])
-    return _rule_products(kind, queries, keys, values).view(q.shape[0], q.shape[1], length)
+    rule masks those). The torch twin of `kvtune.kernels.selection_decode.index_products`.
+    A bounds index is one batched product: the maxima and minima as two halves of one buffer
+    against the query's positive and negative parts, then summed (two products and their sum
+    cost more calls than the data on a CPU)."""
+    seqs, num_heads, head_dim = q.shape
+    kv_heads, block_size = index.num_kv_heads, index.block_size
+    blocks = -(-length // block_size)
+    table = index.block_table[:, :blocks].clamp(min=0).to(index.k.codes.device)
+    pools = (index.k, index.v) if kind == "bounds" else (index.k,)
+    vectors = torch.empty(
+        len(pools), seqs, kv_heads, blocks * block_size, head_dim, device=q.device
+    )
+    for half, pool in zip(vectors, pools, strict=True):
+        read_blocks_into(pool, table, half)
+    queries = q.float().view(1, seqs, kv_heads, num_heads // kv_heads, head_dim)
+    if kind == "bounds":
+        queries = torch.cat((queries.clamp(min=0), queries.clamp(max=0)))
+    products = queries @ vectors[..., :length, :].transpose(-1, -2)  # [halves, S, Hkv, g, L]
+    return products.sum(0).view(seqs, num_heads, length)
 
 
 # Decode products of (q, index, longest length, kind): `index_products_torch` or the Triton

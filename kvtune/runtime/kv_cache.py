@@ -567,13 +567,13 @@ class KVCache:
             )
             return
         if reuses:
-            staged = [self._restage(layer, kv) for kv in layout.kvs]
+            staged = self._restage(layer, layout.kvs)
         else:
-            staged = []
-            for kv, row in zip(layout.kvs, chosen.tolist(), strict=True):
-                if plan is not None:
+            rows = chosen.tolist()
+            if plan is not None:
+                for kv, row in zip(layout.kvs, rows, strict=True):
                     kv.choices[layer] = row
-                staged.append(self._fetch(layer, kv, row))
+            staged = self._fetch(layer, layout.kvs, rows)
         pools, kind = self.layers[layer], self.blocks.staging_kind
         streams["staging" + MAIN] = PagedStream(
             pools.k[kind],
@@ -595,12 +595,13 @@ class KVCache:
         padded = [[head + [False] * (width - len(head)) for head in heads] for heads in rows]
         return torch.tensor(padded, dtype=torch.bool, device=self.device)
 
-    def _restage(self, layer: int, kv: SequenceKV) -> list[int]:
-        """The staging blocks of kv's last choice in `layer`, made again: a resident pool still
-        holds it; a streamed one holds the previous layer's blocks and fetches it again."""
+    def _restage(self, layer: int, kvs: list[SequenceKV]) -> list[list[int]]:
+        """The staging blocks of each sequence's last choice in `layer`, made again: a
+        resident pool still holds it; a streamed one holds the previous layer's blocks and
+        fetches it again."""
         if self.blocks.staging_kind == STAGE:
-            return self._fetch(layer, kv, kv.choices[layer])
-        return kv.staging_blocks[: self.layer_topk[layer]]
+            return self._fetch(layer, kvs, [kv.choices[layer] for kv in kvs])
+        return [kv.staging_blocks[: self.layer_topk[layer]] for kv in kvs]
 
     def _host_is_remote(self, host: PagedStream) -> bool:
         """Whether the host tier lives off the device (pinned host memory beside a GPU), where
@@ -632,41 +633,46 @@ class KVCache:
             host, k=scratch[0], v=scratch[1], block_table=renumbered.to(self.device)
         )
 
-    def _fetch(self, layer: int, kv: SequenceKV, chosen: list[list[bool]]) -> list[int]:
-        """The staging blocks of one sequence in one layer, each KV head's slice of them
+    def _fetch(
+        self, layer: int, kvs: list[SequenceKV], choices: list[list[list[bool]]]
+    ) -> list[list[int]]:
+        """The staging blocks of each sequence in one layer, each KV head's slice of them
         holding a block that head chose: slices not staged yet are fetched from the host tier
-        into slices whose block that head no longer chose. A decode query sees every older
-        block, so each head chose min(the layer's budget, blocks): exactly the first staging
-        blocks (all of them where the budget is csa_topk)."""
-        heads = len(chosen)
+        into slices whose block that head no longer chose, for all sequences in one copy per
+        tensor (a copy per sequence made a batch's fetch cost calls, not bytes). A decode query
+        sees every older block, so each head chose min(the layer's budget, blocks): exactly
+        the first staging blocks (all of them where the budget is csa_topk)."""
         kind = self.blocks.staging_kind
-        slots = kv.staging_blocks[: self.layer_topk[layer]]
-        # A streamed pool holds the previous layer's blocks: everything is fetched again.
-        staged = (
-            [{} for _ in range(heads)]
-            if kind == STAGE
-            else kv.staged.setdefault(layer, [{} for _ in range(heads)])
-        )
-        reads, writes, slices = [], [], []
-        for head, picks in enumerate(chosen):
-            # Set operations and compress run in C: a decode step does this for every layer
-            # and KV head over all older blocks.
-            wanted = set(compress(kv.host_blocks, picks))
-            holds = staged[head]  # staging block -> host block whose slice it holds
-            missing = sorted(wanted.difference(holds.values()))
-            free = (b for b in slots if holds.get(b) not in wanted)  # taken while missing lasts
-            for host, staging in zip(missing, free, strict=False):
-                holds[staging] = host
-                reads.append(host)
-                writes.append(staging)
-                slices.append(head)
+        reads, writes, slices, staged_blocks = [], [], [], []
+        for kv, chosen in zip(kvs, choices, strict=True):
+            heads = len(chosen)
+            slots = kv.staging_blocks[: self.layer_topk[layer]]
+            staged_blocks.append(slots)
+            # A streamed pool holds the previous layer's blocks: everything is fetched again.
+            staged = (
+                [{} for _ in range(heads)]
+                if kind == STAGE
+                else kv.staged.setdefault(layer, [{} for _ in range(heads)])
+            )
+            for head, picks in enumerate(chosen):
+                # Set operations and compress run in C: a decode step does this for every
+                # layer and KV head over all older blocks.
+                wanted = set(compress(kv.host_blocks, picks))
+                holds = staged[head]  # staging block -> host block whose slice it holds
+                missing = sorted(wanted.difference(holds.values()))
+                free = (b for b in slots if holds.get(b) not in wanted)  # taken while missing lasts
+                for host, staging in zip(missing, free, strict=False):
+                    holds[staging] = host
+                    reads.append(host)
+                    writes.append(staging)
+                    slices.append(head)
         if reads:
             pools = self.layers[layer]
             index = torch.tensor([reads, writes, slices], dtype=torch.int64)  # one tensor, 3 rows
             for by_kind in (pools.k, pools.v):
                 copy_blocks(by_kind[HOST], index[0], by_kind[kind], index[1], index[2])
-            self.fetched_bytes += len(reads) * self.layer_bytes[layer] // heads
-        return slots
+            self.fetched_bytes += len(reads) * self.layer_bytes[layer] // pools.k[HOST].num_heads
+        return staged_blocks
 
     def apply_copies(self, copies: list[BlockCopy], kvs: list[SequenceKV]) -> None:
         """Execute compressions and recent->main moves on every layer, and the keep decisions
