@@ -148,7 +148,7 @@ def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> No
     may be a slice of a larger buffer along tokens or channels. Group-scaled codes are decoded
     here: the codes, then one multiply by the scales and one add of the zero points, the
     scales broadcast along a leading dimension (torch's broadcast along the innermost one ran
-    3x slower); other codes through `dequantize_ref`. A host-tier pool elsewhere is gathered
+    several times slower); other codes through `dequantize_ref`. A host-tier pool elsewhere is gathered
     where it lives and moved as codes."""
     device, fmt = out.device, pool.fmt
     codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
