@@ -148,8 +148,8 @@ def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> No
     may be a slice of a larger buffer along tokens or channels. Group-scaled codes are decoded
     here: the codes, then one multiply by the scales and one add of the zero points, the
     scales broadcast along a leading dimension (torch's broadcast along the innermost one ran
-    several times slower); other codes through `dequantize_ref`. A host-tier pool elsewhere is gathered
-    where it lives and moved as codes."""
+    several times slower); other codes through `dequantize_ref`. A host-tier pool elsewhere
+    is gathered where it lives and moved as codes."""
     device, fmt = out.device, pool.fmt
     codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
     by_block = codes.permute(0, 3, 1, 2, 4)  # [S, H, blocks, block_size, width]
