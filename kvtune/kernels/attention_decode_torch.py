@@ -5,11 +5,10 @@ A decode step reads every stored vector of its streams once. Read by the pool's 
 vectors come out as [seq, token, head, channel], a concatenation transposes them for SDPA, and
 streams of unequal lengths need an additive mask. Here each pool is decoded into its slice of
 one preallocated buffer in the layout SDPA reads (`kvtune.kernels.pool.read_blocks_into`). A
-mask is built only
-where something must be hidden: a stream whose sequences all end at one length (any stream of
-a batch of one) is cut there and the next stream is written over the rows past it; rows past
-unequal lengths are zeroed by index. Timings against the paths this replaced:
-benchmarks/RESULTS.md, stop 36.
+mask is built only where something must be hidden: a stream whose sequences all end at one
+length (any stream of a batch of one) is cut there and the next stream is written over the
+rows past it; rows past unequal lengths are zeroed by index. Timings against the paths this
+replaced: benchmarks/RESULTS.md, stop 36.
 """
 
 from __future__ import annotations

@@ -24,20 +24,18 @@ from kvtune.kernels.query_groups import QueryGroup, query_groups
 
 
 def gather_stream(
-    stream: PagedStream, max_len: int, with_values: bool = True, zero_padding: bool = True
+    stream: PagedStream, max_len: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 K, V [B, L, Hkv, D] and validity [B, L]. Rows past a sequence's length hold
-    whatever their block holds, zeroed with zero_padding so that garbage there cannot turn a
-    zero weight into NaN (a reader that masks by validity itself may skip it). Without values
-    (a reader that scores keys only) V is K, and the V pool is not read."""
+    """fp32 K, V [B, L, Hkv, D] and validity [B, L]. Rows past a sequence's length are zeroed,
+    so that garbage there cannot turn a zero weight into NaN."""
     device = stream.block_table.device
     num_blocks = -(-max_len // stream.block_size)
     # A host-tier pool may live off the device: read it where it is, attend on the device.
     table = stream.block_table[:, :num_blocks].clamp(min=0).to(stream.k.codes.device)
     keys = read_blocks_ref(stream.k, table)[:, :max_len].to(device)
-    values = read_blocks_ref(stream.v, table)[:, :max_len].to(device) if with_values else keys
+    values = read_blocks_ref(stream.v, table)[:, :max_len].to(device)
     valid = torch.arange(max_len, device=device)[None, :] < stream.lengths[:, None]
-    if zero_padding and not bool(valid.all()):
+    if not bool(valid.all()):
         padding = torch.nonzero(~valid, as_tuple=True)  # few rows: cheaper than a dense mask
         keys[padding] = 0.0  # in place: the gather made fresh tensors
         values[padding] = 0.0

@@ -251,26 +251,22 @@ def copy_blocks(
         write_heads = heads.long().to(dst.codes.device)
     # A head's slice of a block is a row of bytes per token row: gathered and scattered as
     # whole rows of the [slots * heads, width] view (indexing blocks and heads at once copied
-    # it byte by byte, most of a batch's fetch). Tensors of one row count share their rows.
-    head_rows: dict[tuple[int, bool], torch.Tensor] = {}
+    # it byte by byte, most of a batch's fetch).
     for source, target in ((src.codes, dst.codes), (src.scales, dst.scales)):
         if source is None:
             continue
         if heads is None:
             target[write] = source[read].to(target.device, non_blocking=True)
             continue
-        rows = source.shape[1]
-        if (rows, True) not in head_rows:
-            head_rows[rows, True] = _head_rows(read, read_heads, rows, src.num_heads)
-            head_rows[rows, False] = _head_rows(write, write_heads, rows, dst.num_heads)
-        slices = source.flatten(0, 2).index_select(0, head_rows[rows, True])
-        target.flatten(0, 2).index_copy_(0, head_rows[rows, False], slices.to(target.device))
+        slices = source.flatten(0, 2).index_select(0, _head_rows(read, read_heads, source))
+        target.flatten(0, 2).index_copy_(
+            0, _head_rows(write, write_heads, target), slices.to(target.device)
+        )
 
 
-def _head_rows(
-    blocks: torch.Tensor, heads: torch.Tensor, rows: int, num_heads: int
-) -> torch.Tensor:
-    """Rows of a [blocks, rows, num_heads, width] tensor viewed as [-1, width] that hold head
+def _head_rows(blocks: torch.Tensor, heads: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """Rows of tensor [blocks, rows, num_heads, width] viewed as [-1, width] that hold head
     heads[i] of block blocks[i], block after block, row after row."""
+    _, rows, num_heads, _ = tensor.shape
     offsets = torch.arange(0, rows * num_heads, num_heads, device=blocks.device)
     return ((blocks * (rows * num_heads) + heads)[:, None] + offsets).flatten()
