@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtune.runtime.model_source import cache_dir
+from kvtune.cache_root import cache_dir
 
 logger = logging.getLogger(__name__)
 

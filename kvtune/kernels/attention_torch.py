@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.attention_decode_torch import decode_attention_torch
+from kvtune.kernels.identity_memo import IdentityMemo
 from kvtune.kernels.pool import read_blocks_ref
 from kvtune.kernels.query_groups import QueryGroup, query_groups
 
@@ -62,7 +63,8 @@ def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
     one block table and be gathered and dequantized in one call (per call overheads took ~40%
     of a 4-bit CSA decode's gathers with sinks, window and staged blocks read apart). Streams
     of whole blocks go first and at most one stream with a partial last block goes last, so
-    each sequence's vectors stay contiguous; another partial stream stays on its own."""
+    each sequence's vectors stay contiguous; another partial stream stays on its own. Every
+    layer of a step holds the same tables: a run's merge is made once (`_MERGES`)."""
     runs: dict[tuple[int, int, float], list[PagedStream]] = {}
     alone: list[PagedStream] = []
     for stream in streams:
@@ -72,25 +74,46 @@ def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
         runs.setdefault((id(stream.k), id(stream.v), stream.logit_bias), []).append(stream)
     merged = []
     for run in runs.values():
-        lengths = [stream.lengths.tolist() for stream in run]
-        is_whole = [
-            all(n % s.block_size == 0 for n in ns) for s, ns in zip(run, lengths, strict=True)
-        ]
-        whole = [i for i, flag in enumerate(is_whole) if flag]
-        partial = [i for i, flag in enumerate(is_whole) if not flag]
-        members = whole + partial[:1]
-        if len(members) > 1:
-            merged.append(_concatenated([run[i] for i in members], [lengths[i] for i in members]))
-        else:
+        tensors = tuple(t for stream in run for t in (stream.block_table, stream.lengths))
+        plan = _MERGES.get(tensors)
+        if plan is None:
+            plan = _MERGES.put(tensors, _merge_plan(run))
+        members, table, lengths, rest = plan
+        if table is None:
             merged.append(run[members[0]])
-        alone.extend(run[i] for i in partial[1:])
+        else:
+            merged.append(dataclasses.replace(run[members[0]], block_table=table, lengths=lengths))
+        alone.extend(run[i] for i in rest)
     return merged + alone
 
 
-def _concatenated(streams: list[PagedStream], lengths: list[list[int]]) -> PagedStream:
-    """One stream holding each sequence's used blocks of `streams` (lengths: each stream's
-    per-sequence lengths), in order. Built on the host: a decode step's tables are a few
-    hundred ids, where a dozen small tensor ops cost more than the loop."""
+# (members, merged block table and lengths or None for a single member, the streams left apart)
+_MergePlan = tuple[list[int], torch.Tensor | None, torch.Tensor | None, list[int]]
+
+
+def _merge_plan(run: list[PagedStream]) -> _MergePlan:
+    """How merge_decode_streams merges one run of streams over the same pools (see there)."""
+    lengths = [stream.lengths.tolist() for stream in run]
+    is_whole = [all(n % s.block_size == 0 for n in ns) for s, ns in zip(run, lengths, strict=True)]
+    whole = [i for i, flag in enumerate(is_whole) if flag]
+    partial = [i for i, flag in enumerate(is_whole) if not flag]
+    members = whole + partial[:1]
+    if len(members) == 1:
+        return members, None, None, partial[1:]
+    table, total = _concatenated([run[i] for i in members], [lengths[i] for i in members])
+    return members, table, total, partial[1:]
+
+
+_MERGES = IdentityMemo(8)
+
+
+def _concatenated(
+    streams: list[PagedStream], lengths: list[list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table and lengths of one stream holding each sequence's used blocks of
+    `streams` (lengths: each stream's per-sequence lengths), in order. Built on the host: a
+    decode step's tables are a few hundred ids, where a dozen small tensor ops cost more than
+    the loop."""
     block_size = streams[0].block_size
     tables = [stream.block_table.tolist() for stream in streams]
     rows = []
@@ -104,7 +127,7 @@ def _concatenated(streams: list[PagedStream], lengths: list[list[int]]) -> Paged
         table[seq, : len(row)] = torch.tensor(row, dtype=torch.int32)
     total = torch.tensor([sum(column) for column in zip(*lengths, strict=True)], dtype=torch.int32)
     device = streams[0].block_table.device
-    return dataclasses.replace(streams[0], block_table=table.to(device), lengths=total.to(device))
+    return table.to(device), total.to(device)
 
 
 @dataclass(frozen=True)

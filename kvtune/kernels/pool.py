@@ -14,6 +14,8 @@ import torch
 
 from kvtune.kernels import element_formats
 from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.native.copy_rows import copy_head_rows_native
+from kvtune.kernels.native.read_blocks import read_blocks_native
 from kvtune.kernels.quantize import (
     check_kernel_format,
     code_width,
@@ -43,6 +45,8 @@ class KVPool:
     tensor_scale: torch.Tensor | None = None
     # Built with no tensor scale (1): a reader may skip the multiply, which is exact either way.
     unit_tensor_scale: bool = field(init=False, repr=False, compare=False)
+    # What a reader prepares once per pool (the native reader's fixed arguments), by reader.
+    prepared: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         codes = self.codes
@@ -151,6 +155,8 @@ def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> No
     several times slower); other codes through `dequantize_ref`. A host-tier pool elsewhere
     is gathered where it lives and moved as codes."""
     device, fmt = out.device, pool.fmt
+    if _scaled_codes(pool) and read_blocks_native(pool, table, out):
+        return
     codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
     by_block = codes.permute(0, 3, 1, 2, 4)  # [S, H, blocks, block_size, width]
     if not fmt.quantized:  # fp16, bf16, fp32: the codes are the values
@@ -249,15 +255,19 @@ def copy_blocks(
     if heads is not None:
         read_heads = heads.long().to(src.codes.device)
         write_heads = heads.long().to(dst.codes.device)
+    pairs = [(src.codes, dst.codes)]
+    if src.scales is not None:
+        pairs.append((src.scales, dst.scales))
+    if heads is None:
+        for source, target in pairs:
+            target[write] = source[read].to(target.device, non_blocking=True)
+        return
+    if copy_head_rows_native(pairs, read, write, read_heads):
+        return
     # A head's slice of a block is a row of bytes per token row: gathered and scattered as
     # whole rows of the [slots * heads, width] view (indexing blocks and heads at once copied
     # it byte by byte, most of a batch's fetch).
-    for source, target in ((src.codes, dst.codes), (src.scales, dst.scales)):
-        if source is None:
-            continue
-        if heads is None:
-            target[write] = source[read].to(target.device, non_blocking=True)
-            continue
+    for source, target in pairs:
         slices = source.flatten(0, 2).index_select(0, _head_rows(read, read_heads, source))
         target.flatten(0, 2).index_copy_(
             0, _head_rows(write, write_heads, target), slices.to(target.device)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtune.kernels.identity_memo import IdentityMemo
+
 
 @dataclass(frozen=True)
 class QueryGroup:
@@ -21,7 +23,18 @@ class QueryGroup:
 
 def query_groups(q_seq_starts: torch.Tensor) -> list[QueryGroup]:
     """Sequences grouped by their number of queries, in increasing count (grouped on the host:
-    a handful of sequences, where tensor ops cost more than the loop)."""
+    a handful of sequences, where tensor ops cost more than the loop). Every layer of a step
+    passes the same q_seq_starts: grouped once (`_GROUPS`)."""
+    groups = _GROUPS.get((q_seq_starts,))
+    if groups is None:
+        groups = _GROUPS.put((q_seq_starts,), _grouped(q_seq_starts))
+    return groups
+
+
+_GROUPS = IdentityMemo(4)
+
+
+def _grouped(q_seq_starts: torch.Tensor) -> list[QueryGroup]:
     starts = q_seq_starts.long()
     by_count: dict[int, list[int]] = {}
     for seq, count in enumerate((starts[1:] - starts[:-1]).tolist()):

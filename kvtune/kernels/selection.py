@@ -38,6 +38,7 @@ import torch
 
 from kvtune.kernels.attention import PagedStream
 from kvtune.kernels.attention_torch import group_keys
+from kvtune.kernels.native.read_blocks import index_products_native
 from kvtune.kernels.pool import KVPool, read_blocks_into, read_blocks_ref, write_vectors_ref
 from kvtune.kernels.query_groups import query_groups
 from kvtune.kernels.rotation import Rotation, unrotate
@@ -109,10 +110,15 @@ def index_products_torch(
     rule masks those). The torch twin of `kvtune.kernels.selection_decode.index_products`.
     A bounds index is one batched product: the maxima and minima as two halves of one buffer
     against the query's positive and negative parts, then summed (two products and their sum
-    cost more calls than the data on a CPU)."""
+    cost more calls than the data on a CPU). On a CPU, the native kernel reads and dots the
+    index in one pass."""
     seqs, num_heads, head_dim = q.shape
     kv_heads, block_size = index.num_kv_heads, index.block_size
     blocks = -(-length // block_size)
+    low = index.v if kind == "bounds" else None
+    products = index_products_native(q, index.k, low, index.block_table[:, :blocks], length)
+    if products is not None:
+        return products
     table = index.block_table[:, :blocks].clamp(min=0).to(index.k.codes.device)
     pools = (index.k, index.v) if kind == "bounds" else (index.k,)
     vectors = torch.empty(

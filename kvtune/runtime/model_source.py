@@ -12,10 +12,10 @@ conversion.
 from __future__ import annotations
 
 import importlib.metadata
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvtune.cache_root import cache_dir
 from kvtune.runtime.checkpoint import open_checkpoint
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.fingerprint import code_fingerprint, file_digest
@@ -41,14 +41,6 @@ EMBEDDED_MODELS = {
     ),
 }
 ALLOWED = f"one of {', '.join(EMBEDDED_MODELS)}, or a local Hugging Face folder"
-
-
-def cache_dir() -> Path:
-    """Root of kvtune's cache: $KVTUNE_CACHE, $XDG_CACHE_HOME/kvtune or ~/.cache/kvtune."""
-    if os.environ.get("KVTUNE_CACHE"):
-        return Path(os.environ["KVTUNE_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "kvtune"
 
 
 def embedded_gguf(name: str) -> Path:

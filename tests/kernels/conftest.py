@@ -102,3 +102,12 @@ def on_test_device():
         OnDevice(TEST_DEVICE),
     ):
         yield
+
+
+@pytest.fixture(params=["native", "torch"])
+def cpu_paths(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Runs a test with the CPU kernels of kvtune.kernels.native where they apply, then with
+    the torch paths alone: each must give what the test's oracle gives."""
+    if request.param == "torch":
+        monkeypatch.setenv("KVTUNE_NATIVE", "0")
+    return request.param

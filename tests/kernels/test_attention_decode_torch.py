@@ -21,6 +21,9 @@ from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import read_vectors_ref, write_vectors_ref
 from tests.kernels.test_attention import TOLERANCE, _poisoned_pool, relative_error
 
+# Each test runs with the CPU kernels and with the torch paths alone.
+pytestmark = pytest.mark.usefixtures("cpu_paths")
+
 BLOCK = 16
 FORMATS = {
     # One scale row a vector: one group (the CPU policy's rotated values), two, symmetric.

@@ -10,6 +10,9 @@ import torch
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.pool import KVPool, copy_blocks
 
+# Each test runs with the CPU kernels and with the torch paths alone.
+pytestmark = pytest.mark.usefixtures("cpu_paths")
+
 BLOCK, HEADS, HEAD_DIM = 4, 3, 64
 # Per-token int4 scales and zero points, and per-channel ones shared by a block's tokens.
 FORMATS = [

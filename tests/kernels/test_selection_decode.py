@@ -27,6 +27,9 @@ from tests.kernels.test_selection import (
     _stream,
 )
 
+# Each test runs with the CPU kernels and with the torch paths alone.
+pytestmark = pytest.mark.usefixtures("cpu_paths")
+
 FORMATS = {
     "fp32": KVFormat("fp32"),
     "fp16": KVFormat("fp16"),

@@ -34,8 +34,9 @@ from kvtune.autotune.evaluation.suite import EvalSuite, load_suite
 from kvtune.autotune.evaluation.suite_run import SuiteRun, run_suite
 from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
 from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
+from kvtune.cache_root import cache_dir
 from kvtune.runtime.llm import as_policy
-from kvtune.runtime.model_source import cache_dir, resolve_model
+from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
 from kvtune.runtime.tokenizer import Tokenizer
 

@@ -1,0 +1,28 @@
+"""A memo of the last few results derived from objects that are never changed once made (a
+decode step's block tables and query starts, read by every layer of the step): keyed by the
+objects' identity, which costs nothing to check, where their contents would cost a pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class IdentityMemo:
+    """The values of the last `size` keys, a key being a tuple of objects matched by identity
+    and held while cached, so that no id is reused meanwhile."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.entries: list[tuple[tuple[object, ...], Any]] = []
+
+    def get(self, key: tuple[object, ...]) -> Any:
+        """The value stored under key, or None."""
+        for held, value in self.entries:
+            if len(held) == len(key) and all(a is b for a, b in zip(held, key, strict=True)):
+                return value
+        return None
+
+    def put(self, key: tuple[object, ...], value: Any) -> Any:
+        """Store value under key (forgetting the oldest beyond size); returns value."""
+        self.entries = [(key, value), *self.entries[: self.size - 1]]
+        return value

@@ -1,0 +1,86 @@
+"""Compiling a C kernel once per machine and loading it: the shared library is cached under
+kvtune's cache, named by a hash of its source, the flags, the compiler's version and the CPU
+(it is built for the CPU it runs on), so that a changed input builds a new one."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+from kvtune.cache_root import cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Not contracting multiplies and adds into fused ones keeps the kernels' rounding that of the
+# torch operations they replace. OpenMP: torch's own runtime (one per process) runs the threads.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-std=c11",
+    "-shared",
+    "-fPIC",
+)
+# Set to 0 to run the torch paths only.
+ENABLE_VARIABLE = "KVTUNE_NATIVE"
+
+
+def native_enabled() -> bool:
+    return os.environ.get(ENABLE_VARIABLE, "1") != "0"
+
+
+def load_kernel(source: Path) -> ctypes.CDLL | None:
+    """The library built from source (a C file), or None when native kernels are disabled or
+    cannot be built here (the reason is logged once)."""
+    return _load(source) if native_enabled() else None
+
+
+@functools.cache
+def _load(source: Path) -> ctypes.CDLL | None:
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        logger.warning("native kernels: no C compiler (cc or $CC); the torch paths run instead")
+        return None
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=False
+    ).stdout
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(FLAGS), version, _cpu()):
+        key.update(part if isinstance(part, bytes) else part.encode())
+    target = cache_dir() / "native" / f"{source.stem}-{key.hexdigest()[:20]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        built = subprocess.run(
+            [compiler, *FLAGS, "-o", str(partial), str(source)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if built.returncode:
+            logger.warning(
+                "native kernels: %s failed to build (%s); the torch paths run instead",
+                source.name,
+                built.stderr.strip().splitlines()[-1:] or built.returncode,
+            )
+            return None
+        os.replace(partial, target)  # atomic: concurrent builders leave one whole file
+    return ctypes.CDLL(str(target))
+
+
+def _cpu() -> str:
+    """The machine and, on Linux, its CPU's feature flags: what -march=native builds for."""
+    flags = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        flags = next((line for line in lines if line.startswith(("flags", "Features"))), "")
+    return f"{platform.machine()} {flags}"
