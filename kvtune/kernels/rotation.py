@@ -42,6 +42,8 @@ from functools import cached_property
 
 import torch
 
+from kvtune.kernels.native.rotate_rows import rotate_rows_native
+
 HADAMARD_SEED = 0
 VLLM_RHT_SEED = 0x9E3779B9
 
@@ -73,7 +75,7 @@ class Rotation:
 
     @cached_property
     def inverse64(self) -> torch.Tensor:
-        return (self.matrix.double() / self.gain).T
+        return (self.matrix.double() / self.gain).T.contiguous()
 
 
 def is_power_of_two(n: int) -> bool:
@@ -157,16 +159,23 @@ def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     rotates to the same bits whatever batch it comes in (an fp32 matmul's summation order
     depends on the batch shape, and a flipped code would make a prefill chunk differ from
     decode)."""
-    rotated = (x.double() @ rotation.forward64).float()
+    rotated = _product(x, rotation.forward64)
     return rotated.to(x.dtype).float() if rotation.round_to_input else rotated
 
 
 def rotate_queries(q: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """Queries q [..., D] @ R / gain, fp32 (via fp64): their dot products with rotated keys
     equal the unrotated ones."""
-    return (q.double() @ rotation.query64).float()
+    return _product(q, rotation.query64)
 
 
 def unrotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """Undo `rotate` on attention outputs: x [..., D] @ R^T / gain, fp32 (via fp64)."""
-    return (x.double() @ rotation.inverse64).float()
+    return _product(x, rotation.inverse64)
+
+
+def _product(x: torch.Tensor, matrix64: torch.Tensor) -> torch.Tensor:
+    """(x.double() @ matrix64).float(): by the CPU kernel where it applies (one call, the sum
+    in a fixed order), else by torch."""
+    rotated = rotate_rows_native(x, matrix64)
+    return rotated if rotated is not None else (x.double() @ matrix64).float()

@@ -14,6 +14,7 @@ import torch
 from kvtune.kernels.kv_format import KVFormat
 from kvtune.kernels.native import build
 from kvtune.kernels.native.read_blocks import SOURCE, index_products_native, read_blocks_native
+from kvtune.kernels.native.rotate_rows import rotate_rows_native
 from kvtune.kernels.pool import KVPool, read_blocks_into, read_vectors_ref, write_vectors_ref
 from tests.kernels.test_attention import _poisoned_pool
 
@@ -171,3 +172,23 @@ def test_without_a_compiler_the_torch_path_runs(
     out = torch.empty(1, HEADS, 2 * BLOCK, DIM)
     read_blocks_into(pool, table, out)
     assert torch.equal(out, _expected(pool, table))
+
+
+@needs_compiler
+@pytest.mark.parametrize("dim", [64, 96, 128])
+def test_rotation_products_round_the_fp64_product_once_whatever_the_batch(dim: int) -> None:
+    """Within an fp32 ulp of the fp64 product, and each row rotates to the same bits alone
+    as in a batch of 37 (prefill) or in fp16 input."""
+    generator = torch.Generator().manual_seed(9)
+    matrix = torch.randn(dim, dim, dtype=torch.float64, generator=generator)
+    x = torch.randn(37, 3, dim, generator=generator)
+    rotated = rotate_rows_native(x, matrix)
+    assert rotated is not None and rotated.dtype == torch.float32 and rotated.shape == x.shape
+    exact = x.double() @ matrix
+    assert ((rotated.double() - exact).abs() <= exact.abs() * 2**-23 + 1e-30).all()
+    for row in (0, 17, 36):
+        assert torch.equal(rotate_rows_native(x[row : row + 1], matrix), rotated[row : row + 1])
+    halves = x.half()
+    assert torch.equal(
+        rotate_rows_native(halves, matrix), rotate_rows_native(halves.float(), matrix)
+    )
