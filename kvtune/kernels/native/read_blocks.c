@@ -1,8 +1,9 @@
 /* Paged blocks of group-scaled codes, dequantized into fp32 [seq, head, token, channel] rows in
  * one pass on a CPU: element decode, group scale and zero point per vector, where torch needs a
  * gather, a decode, a multiply and an add, each a pass over the data and a call from Python.
- * Driven by kvtune/kernels/native_reader.py, which checks every argument first; the layouts
- * are KVPool's (kvtune/kernels/pool.py). */
+ * Decode selection's index products read the same way, dotted as they are decoded. Driven by
+ * kvtune/kernels/native/read_blocks.py, which checks every argument first; the layouts are
+ * KVPool's (kvtune/kernels/pool.py). */
 #include <stdint.h>
 #include <string.h>
 

@@ -1,8 +1,9 @@
-"""The CPU kernel of `kvtune.kernels.pool.read_blocks_into` for group-scaled codes
-(read_blocks.c): gather, element decode, scale and zero point in one pass, the same bits as
-the torch path. Elements are decoded by a table of every byte's values, made from the format's
-own decode (plain unsigned codes by arithmetic, where the table shows them to be just that);
-one-byte scales likewise."""
+"""The CPU kernels of `kvtune.kernels.pool.read_blocks_into` for group-scaled codes and of
+decode selection's index products (read_blocks.c): gather, element decode, scale and zero
+point in one pass, the same bits as the torch path (products: the same sums in another order).
+Elements are decoded by a table of every byte's values, made from the format's own decode
+(plain unsigned codes by arithmetic, where the table shows them to be just that); one-byte
+scales likewise."""
 
 from __future__ import annotations
 
