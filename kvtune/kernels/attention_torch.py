@@ -74,6 +74,9 @@ def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
         runs.setdefault((id(stream.k), id(stream.v), stream.logit_bias), []).append(stream)
     merged = []
     for run in runs.values():
+        if len(run) == 1:
+            merged.append(run[0])
+            continue
         tensors = tuple(t for stream in run for t in (stream.block_table, stream.lengths))
         plan = _MERGES.get(tensors)
         if plan is None:
@@ -111,22 +114,29 @@ def _concatenated(
     streams: list[PagedStream], lengths: list[list[int]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The block table and lengths of one stream holding each sequence's used blocks of
-    `streams` (lengths: each stream's per-sequence lengths), in order. Built on the host: a
-    decode step's tables are a few hundred ids, where a dozen small tensor ops cost more than
-    the loop."""
+    `streams` (lengths: each stream's per-sequence lengths), in order. Where every sequence
+    uses as many blocks of each stream (a batch of one, equal lengths), one concatenation of
+    table slices; else built row by row on the host: a decode step's tables are a few hundred
+    ids, where a dozen small tensor ops cost more than the loop."""
     block_size = streams[0].block_size
+    device = streams[0].block_table.device
+    total = torch.tensor([sum(column) for column in zip(*lengths, strict=True)], dtype=torch.int32)
+    counts = [{-(-n // block_size) for n in stream_lengths} for stream_lengths in lengths]
+    if all(len(count) == 1 for count in counts):
+        table = torch.cat(
+            [s.block_table[:, : c.pop()] for s, c in zip(streams, counts, strict=True)], dim=1
+        )
+        return table, total.to(device)
     tables = [stream.block_table.tolist() for stream in streams]
     rows = []
     for seq in range(streams[0].num_seqs):
         row: list[int] = []
-        for table, stream_lengths in zip(tables, lengths, strict=True):
-            row += table[seq][: -(-stream_lengths[seq] // block_size)]
+        for stream_table, stream_lengths in zip(tables, lengths, strict=True):
+            row += stream_table[seq][: -(-stream_lengths[seq] // block_size)]
         rows.append(row)
     table = torch.zeros(len(rows), max(1, max(len(row) for row in rows)), dtype=torch.int32)
     for seq, row in enumerate(rows):
         table[seq, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    total = torch.tensor([sum(column) for column in zip(*lengths, strict=True)], dtype=torch.int32)
-    device = streams[0].block_table.device
     return table.to(device), total.to(device)
 
 

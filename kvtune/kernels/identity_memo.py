@@ -8,17 +8,19 @@ from typing import Any
 
 
 class IdentityMemo:
-    """The values of the last `size` keys, a key being a tuple of objects matched by identity
-    and held while cached, so that no id is reused meanwhile."""
+    """The values of the `size` keys used last, a key being a tuple of objects matched by
+    identity and held while cached, so that no id is reused meanwhile."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.entries: list[tuple[tuple[object, ...], Any]] = []
 
     def get(self, key: tuple[object, ...]) -> Any:
-        """The value stored under key, or None."""
-        for held, value in self.entries:
+        """The value stored under key (now the most recent), or None."""
+        for index, (held, value) in enumerate(self.entries):
             if len(held) == len(key) and all(a is b for a, b in zip(held, key, strict=True)):
+                if index:
+                    self.entries.insert(0, self.entries.pop(index))
                 return value
         return None
 

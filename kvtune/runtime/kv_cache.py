@@ -421,6 +421,8 @@ class KVCache:
                 )
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
+        if len({len(r) for r in rows}) == 1 and rows[0]:  # one tensor at once (a decode step)
+            return torch.tensor(rows, dtype=torch.int32, device=self.device)
         width = max(1, max(len(r) for r in rows))
         table = torch.zeros(len(rows), width, dtype=torch.int32)
         for i, ids in enumerate(rows):
