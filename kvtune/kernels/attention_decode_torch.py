@@ -78,7 +78,7 @@ def decode_attention_torch(
         for part in parts:
             stop = start + part.tokens
             table = part.stream.block_table[:, : part.tokens // part.stream.block_size]
-            table = table.clamp(min=0).to(part.stream.k.codes.device)
+            table = table.to(part.stream.k.codes.device)  # padding ids: rows cut or zeroed
             read_blocks_into(part.stream.k, table, keys[:, :, start:stop])
             read_blocks_into(part.stream.v, table, values[:, :, start:stop])
             mask = None
@@ -93,8 +93,9 @@ def decode_attention_torch(
             hidden.append((mask, part.stream.logit_bias, stop - start))
             start = stop
         additive = _additive_mask(hidden, len(rows), num_q_heads, q.device)
+        every_row = len(rows) == num_tokens  # the only group: rows 0 ... N - 1 in order
         group_out = F.scaled_dot_product_attention(
-            q[rows].float()[:, :, None, :],
+            (q if every_row else q[rows]).float()[:, :, None, :],
             keys[:, :, :start],
             values[:, :, :start],
             attn_mask=additive,
@@ -102,7 +103,10 @@ def decode_attention_torch(
             enable_gqa=True,
         )[:, :, 0]
         # A sequence that sees no vector gets NaN from SDPA; its output stays 0.
-        out[rows] = group_out if additive is None else group_out.nan_to_num(0.0)
+        group_out = group_out if additive is None else group_out.nan_to_num(0.0)
+        if every_row:
+            return group_out
+        out[rows] = group_out
     return out
 
 

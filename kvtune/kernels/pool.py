@@ -146,17 +146,19 @@ def _scaled_codes(pool: KVPool) -> bool:
 
 
 def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> None:
-    """The vectors of the blocks table [S, blocks] lists (valid ids, on the pool's device),
-    dequantized into out, fp32 [S, H, blocks * block_size, D] on the reading device: the
-    layout attention and index products read, where `read_blocks_ref` gives [S, T, H, D]. out
-    may be a slice of a larger buffer along tokens or channels. Group-scaled codes are decoded
-    here: the codes, then one multiply by the scales and one add of the zero points, the
-    scales broadcast along a leading dimension (torch's broadcast along the innermost one ran
-    several times slower); other codes through `dequantize_ref`. A host-tier pool elsewhere
-    is gathered where it lives and moved as codes."""
+    """The vectors of the blocks table [S, blocks] lists (on the pool's device; a negative id,
+    padding, leaves its rows undefined), dequantized into out, fp32 [S, H, blocks * block_size,
+    D] on the reading device: the layout attention and index products read, where
+    `read_blocks_ref` gives [S, T, H, D]. out may be a slice of a larger buffer along tokens or
+    channels. Group-scaled codes on a CPU are read by one C call (`kvtune.kernels.native`);
+    elsewhere they are decoded here: the codes, then one multiply by the scales and one add of
+    the zero points, the scales broadcast along a leading dimension (torch's broadcast along the
+    innermost one ran several times slower); other codes through `dequantize_ref`. A host-tier
+    pool elsewhere is gathered where it lives and moved as codes."""
     device, fmt = out.device, pool.fmt
     if _scaled_codes(pool) and read_blocks_native(pool, table, out):
         return
+    table = table.clamp(min=0)
     codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
     by_block = codes.permute(0, 3, 1, 2, 4)  # [S, H, blocks, block_size, width]
     if not fmt.quantized:  # fp16, bf16, fp32: the codes are the values

@@ -105,13 +105,12 @@ static void scale_vector(const ReadArgs *a, const float *scale, const float *zer
   }
 }
 
-/* 0, or 1 when the table names a block outside the pool (nothing is written then). */
+/* 0, or 1 when the table names a block past the pool (nothing is written then). A negative id
+ * (table padding) is skipped: its rows are left as they are. */
 int kvtune_read_blocks(const ReadArgs *a) {
   for (int64_t s = 0; s < a->seqs; s++)
-    for (int64_t b = 0; b < a->blocks; b++) {
-      const int64_t id = a->table[s * a->table_stride + b];
-      if (id < 0 || id >= a->num_blocks) return 1;
-    }
+    for (int64_t b = 0; b < a->blocks; b++)
+      if (a->table[s * a->table_stride + b] >= a->num_blocks) return 1;
   const int64_t work = a->seqs * a->heads * a->blocks;
   /* Threads only where the work outweighs waking them (a decode step's index reads are small). */
   #pragma omp parallel for schedule(static) if (work * a->block_size * a->head_dim >= 65536)
@@ -119,6 +118,7 @@ int kvtune_read_blocks(const ReadArgs *a) {
     const int64_t s = item / (a->heads * a->blocks);
     const int64_t h = (item / a->blocks) % a->heads, b = item % a->blocks;
     const int64_t id = a->table[s * a->table_stride + b];
+    if (id < 0) continue;
     const uint8_t *src = a->codes + id * a->code_block + h * a->code_head;
     float *dst = a->out + s * a->out_seq + h * a->out_head + b * a->block_size * a->out_token;
     /* The scales, then the zero points (0 where the format keeps none). */

@@ -158,7 +158,7 @@ def read_blocks_native(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> 
     args.out = out.data_ptr()
     args.out_seq, args.out_head, args.out_token = out.stride()[:3]
     if library.kvtune_read_blocks(ctypes.byref(args)):
-        raise IndexError(f"table: block ids must lie in [0, {fixed.num_blocks})")
+        raise IndexError(f"table: block ids must be below {fixed.num_blocks}")
     return True
 
 
