@@ -25,21 +25,16 @@ def _declared(library: ctypes.CDLL) -> ctypes._CFuncPtr:
 
 
 def rotate_rows_native(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor | None:
-    """fp32 x [..., D] @ matrix (contiguous fp64 [D, D]), summed in fp64 and rounded once;
-    None, having done nothing, where this kernel does not apply or is not built."""
+    """fp32 x [..., D] @ matrix (contiguous fp64 [D, D] on the CPU, as `Rotation` keeps it),
+    summed in fp64 and rounded once; None, having done nothing, where this kernel does not
+    apply or is not built. Checked in few steps: a decode step rotates four times a layer."""
     library = load_kernel(SOURCE)
     dim = x.shape[-1]
-    if (
-        library is None
-        or x.device.type != "cpu"
-        or matrix.device.type != "cpu"
-        or matrix.dtype != torch.float64
-        or tuple(matrix.shape) != (dim, dim)
-        or not matrix.is_contiguous()
-        or dim > MAX_DIM
-    ):
+    if library is None or x.device.type != "cpu" or dim > MAX_DIM:
         return None
-    rows = x.float().contiguous()
-    out = torch.empty_like(rows)
+    if matrix.dtype != torch.float64 or matrix.shape != (dim, dim) or not matrix.is_contiguous():
+        raise ValueError(f"matrix: must be contiguous fp64 [{dim}, {dim}] on the CPU")
+    rows = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32)
     _declared(library)(rows.data_ptr(), rows.numel() // dim, dim, matrix.data_ptr(), out.data_ptr())
     return out
