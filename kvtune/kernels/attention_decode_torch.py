@@ -60,7 +60,7 @@ def decode_attention_torch(
     all streams."""
     num_tokens, num_q_heads, head_dim = q.shape
     heads = streams[0].num_kv_heads
-    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
+    out = None  # made only where groups are several or a sequence sees nothing
     for group in query_groups(q_seq_starts):
         if group.rows.shape[1] != 1:
             raise ValueError(
@@ -106,8 +106,14 @@ def decode_attention_torch(
         group_out = group_out if additive is None else group_out.nan_to_num(0.0)
         if every_row:
             return group_out
+        out = _zeros(q) if out is None else out
         out[rows] = group_out
-    return out
+    return _zeros(q) if out is None else out
+
+
+def _zeros(q: torch.Tensor) -> torch.Tensor:
+    """fp32 zeros shaped like q: the output of queries that see no vector."""
+    return torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
 
 def _padding(part: _Part, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

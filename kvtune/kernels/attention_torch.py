@@ -63,8 +63,9 @@ def merge_decode_streams(streams: Sequence[PagedStream]) -> list[PagedStream]:
     one block table and be gathered and dequantized in one call (per call overheads took ~40%
     of a 4-bit CSA decode's gathers with sinks, window and staged blocks read apart). Streams
     of whole blocks go first and at most one stream with a partial last block goes last, so
-    each sequence's vectors stay contiguous; another partial stream stays on its own. Every
-    layer of a step holds the same tables: a run's merge is made once (`_MERGES`)."""
+    each sequence's vectors stay contiguous; another partial stream stays on its own. A run
+    that every layer of a step holds alike (sinks and window, without a per-layer staging
+    stream beside them) is merged once a step (`_MERGES`)."""
     runs: dict[tuple[int, int, float], list[PagedStream]] = {}
     alone: list[PagedStream] = []
     for stream in streams:
@@ -121,10 +122,10 @@ def _concatenated(
     block_size = streams[0].block_size
     device = streams[0].block_table.device
     total = torch.tensor([sum(column) for column in zip(*lengths, strict=True)], dtype=torch.int32)
-    counts = [{-(-n // block_size) for n in stream_lengths} for stream_lengths in lengths]
-    if all(len(count) == 1 for count in counts):
+    counts = [[-(-n // block_size) for n in stream_lengths] for stream_lengths in lengths]
+    if all(min(count) == max(count) for count in counts):
         table = torch.cat(
-            [s.block_table[:, : c.pop()] for s, c in zip(streams, counts, strict=True)], dim=1
+            [s.block_table[:, : c[0]] for s, c in zip(streams, counts, strict=True)], dim=1
         )
         return table, total.to(device)
     tables = [stream.block_table.tolist() for stream in streams]

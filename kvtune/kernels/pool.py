@@ -155,8 +155,8 @@ def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> No
     the zero points, the scales broadcast along a leading dimension (torch's broadcast along the
     innermost one ran several times slower); other codes through `dequantize_ref`. A host-tier
     pool elsewhere is gathered where it lives and moved as codes."""
-    device, fmt = out.device, pool.fmt
-    if _scaled_codes(pool) and read_blocks_native(pool, table, out):
+    device, fmt, scaled = out.device, pool.fmt, _scaled_codes(pool)
+    if scaled and read_blocks_native(pool, table, out):
         return
     table = table.clamp(min=0)
     codes = gather_blocks(pool.codes, table).to(device)  # [S, blocks, block_size, H, width]
@@ -164,7 +164,7 @@ def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> No
     if not fmt.quantized:  # fp16, bf16, fp32: the codes are the values
         out.view(by_block.shape).copy_(by_block)
         return
-    if not _scaled_codes(pool):
+    if not scaled:
         out.copy_(read_blocks_ref(pool, table).to(device).transpose(1, 2))
         return
     seqs, heads, tokens, head_dim = out.shape

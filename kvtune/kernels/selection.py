@@ -115,11 +115,12 @@ def index_products_torch(
     seqs, num_heads, head_dim = q.shape
     kv_heads, block_size = index.num_kv_heads, index.block_size
     blocks = -(-length // block_size)
+    table = index.block_table[:, :blocks]
     low = index.v if kind == "bounds" else None
-    products = index_products_native(q, index.k, low, index.block_table[:, :blocks], length)
+    products = index_products_native(q, index.k, low, table, length)
     if products is not None:
         return products
-    table = index.block_table[:, :blocks].clamp(min=0).to(index.k.codes.device)
+    table = table.clamp(min=0).to(index.k.codes.device)
     pools = (index.k, index.v) if kind == "bounds" else (index.k,)
     vectors = torch.empty(
         len(pools), seqs, kv_heads, blocks * block_size, head_dim, device=q.device

@@ -75,9 +75,8 @@ def test_read_of_poisoned_slots_reads_only_the_table() -> None:
     fmt = FORMATS["int4_channel"]
     pool = _poisoned_pool(fmt, 6, BLOCK, HEADS, DIM)
     written = _written_pool(fmt, 6, seed=2)
-    for ids in ([1, 4],):
-        for name in ("codes", "scales"):
-            getattr(pool, name)[ids] = getattr(written, name)[ids]
+    for name in ("codes", "scales"):
+        getattr(pool, name)[[1, 4]] = getattr(written, name)[[1, 4]]
     pool.tensor_scale.copy_(written.tensor_scale)
     table = torch.tensor([[4, 1]], dtype=torch.int32)
     out = torch.empty(1, HEADS, 2 * BLOCK, DIM)
@@ -142,8 +141,10 @@ def fresh_builds(tmp_path, monkeypatch: pytest.MonkeyPatch):
     """An empty kvtune cache and no library loaded yet (loaded ones are forgotten after)."""
     monkeypatch.setenv("KVTUNE_CACHE", str(tmp_path))
     build._load.cache_clear()
+    build._compiler.cache_clear()
     yield tmp_path / "native"
     build._load.cache_clear()
+    build._compiler.cache_clear()
 
 
 @needs_compiler

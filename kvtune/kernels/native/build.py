@@ -45,13 +45,10 @@ def load_kernel(source: Path) -> ctypes.CDLL | None:
 
 @functools.cache
 def _load(source: Path) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler, version = _compiler()
     if compiler is None:
         logger.warning("native kernels: no C compiler (cc or $CC); the torch paths run instead")
         return None
-    version = subprocess.run(
-        [compiler, "--version"], capture_output=True, text=True, check=False
-    ).stdout
     key = hashlib.sha256()
     for part in (source.read_bytes(), " ".join(FLAGS), version, _cpu()):
         key.update(part if isinstance(part, bytes) else part.encode())
@@ -76,6 +73,17 @@ def _load(source: Path) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
+@functools.cache
+def _compiler() -> tuple[str | None, str]:
+    """The C compiler's path (None: none found) and its version, asked once for all kernels."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        return None, ""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return compiler, version.stdout
+
+
+@functools.cache
 def _cpu() -> str:
     """The machine and, on Linux, its CPU's feature flags: what -march=native builds for."""
     flags = ""

@@ -10,6 +10,7 @@
 enum { DECODE_NIBBLES = 0, DECODE_BYTES = 1, DECODE_TABLE = 2 };
 enum { SCALE_FP16 = 0, SCALE_FP32 = 1, SCALE_TABLE = 2 };
 #define MAX_GROUPS 512
+#define MAX_DIM 512 /* the longest index vector the products decode */
 #define MAX_QUERY_GROUP 16
 
 typedef struct {
@@ -177,7 +178,7 @@ int kvtune_index_products(const ReadArgs *hi, const ReadArgs *lo, const float *q
   for (int64_t s = 0; s < hi->seqs; s++)
     for (int64_t b = 0; b < blocks; b++)
       if (hi->table[s * hi->table_stride + b] >= hi->num_blocks) return 1;
-  if (dim > MAX_GROUPS || group > MAX_QUERY_GROUP) return 1;
+  if (dim > MAX_DIM || group > MAX_QUERY_GROUP) return 1;
   const int64_t work = hi->seqs * hi->heads * blocks;
   #pragma omp parallel for schedule(static) if (work * block_size * dim * group >= 65536)
   for (int64_t item = 0; item < work; item++) {
@@ -186,8 +187,8 @@ int kvtune_index_products(const ReadArgs *hi, const ReadArgs *lo, const float *q
     const int64_t id = hi->table[s * hi->table_stride + b];
     if (id < 0) continue;
     /* The positive and negative parts of each query head (bounds), or the queries. */
-    float q_pos[MAX_QUERY_GROUP][MAX_GROUPS], q_neg[MAX_QUERY_GROUP][MAX_GROUPS];
-    float upper[MAX_GROUPS], lower[MAX_GROUPS];
+    float q_pos[MAX_QUERY_GROUP][MAX_DIM], q_neg[MAX_QUERY_GROUP][MAX_DIM];
+    float upper[MAX_DIM], lower[MAX_DIM];
     for (int64_t j = 0; j < group; j++) {
       const float *query = q + s * q_seq + (h * group + j) * q_head;
       for (int64_t c = 0; c < dim; c++) {

@@ -25,6 +25,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 DECODE_NIBBLES, DECODE_BYTES, DECODE_TABLE = 0, 1, 2
 SCALE_KINDS = {torch.float16: 0, torch.float32: 1, torch.uint8: 2}
 MAX_GROUPS = 512  # read_blocks.c's MAX_GROUPS
+MAX_DIM = 512  # read_blocks.c's MAX_DIM: the longest index vector products take
 
 
 class _ReadArgs(ctypes.Structure):
@@ -96,7 +97,7 @@ def _tables(fmt: KVFormat) -> _Tables | None:
 
 def _prepared(pool: KVPool) -> _ReadArgs | None:
     """The arguments fixed by pool (codes, scales, format), or None where this kernel does not
-    apply: made once per pool, a decode step reads each pool several times in every layer."""
+    apply."""
     codes, scales, fmt = pool.codes, pool.scales, pool.fmt
     if (
         scales is None
@@ -134,31 +135,51 @@ def _prepared(pool: KVPool) -> _ReadArgs | None:
     )
 
 
+def _pool_args(pool: KVPool, table: torch.Tensor) -> _ReadArgs | None:
+    """The arguments of a read of pool by table (int32, rows contiguous), or None where this
+    kernel does not apply. The fixed ones are made once per pool (`_prepared`): a decode step
+    reads each pool several times in every layer."""
+    if "native" not in pool.prepared:
+        pool.prepared["native"] = _prepared(pool)
+    fixed = pool.prepared["native"]
+    if fixed is None:
+        return None
+    args = _ReadArgs.from_buffer_copy(fixed)
+    args.table, args.table_stride = table.data_ptr(), table.stride(0)
+    args.seqs, args.blocks = table.shape
+    args.tensor_scale = 1.0 if pool.unit_tensor_scale else float(pool.tensor_scale)
+    return args
+
+
+def _int32_rows(table: torch.Tensor) -> torch.Tensor:
+    """table as int32 with contiguous rows, as the kernels index it."""
+    if table.dtype != torch.int32 or table.stride(-1) != 1:
+        return table.to(torch.int32).contiguous()
+    return table
+
+
 def read_blocks_native(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> bool:
     """`read_blocks_into` for a pool of group-scaled codes on the CPU (see there); False,
     having done nothing, where this kernel does not apply or is not built."""
     library = load_kernel(SOURCE)
-    if library is None or out.device.type != "cpu" or out.dtype != torch.float32:
+    if (
+        library is None
+        or out.device.type != "cpu"
+        or out.dtype != torch.float32
+        or out.stride(-1) != 1
+    ):
         return False
-    if "native" not in pool.prepared:
-        pool.prepared["native"] = _prepared(pool)
-    fixed = pool.prepared["native"]
-    if fixed is None or out.stride(-1) != 1:
+    table = _int32_rows(table)
+    args = _pool_args(pool, table)
+    if args is None:
         return False
-    if table.dtype != torch.int32 or table.stride(-1) != 1:
-        table = table.to(torch.int32).contiguous()
-    seqs, blocks = table.shape
-    expected = (seqs, fixed.heads, blocks * fixed.block_size, fixed.head_dim)
+    expected = (args.seqs, args.heads, args.blocks * args.block_size, args.head_dim)
     if tuple(out.shape) != expected:
         raise ValueError(f"out: shape {tuple(out.shape)} must be {expected}")
-    args = _ReadArgs.from_buffer_copy(fixed)
-    args.table, args.table_stride = table.data_ptr(), table.stride(0)
-    args.seqs, args.blocks = seqs, blocks
-    args.tensor_scale = 1.0 if pool.unit_tensor_scale else float(pool.tensor_scale)
     args.out = out.data_ptr()
     args.out_seq, args.out_head, args.out_token = out.stride()[:3]
     if library.kvtune_read_blocks(ctypes.byref(args)):
-        raise IndexError(f"table: block ids must be below {fixed.num_blocks}")
+        raise IndexError(f"table: block ids must be below {args.num_blocks}")
     return True
 
 
@@ -176,42 +197,30 @@ def index_products_native(
     library = load_kernel(SOURCE)
     if library is None or q.device.type != "cpu" or length == 0:
         return None
-    pools = [keys] if bounds_low is None else [keys, bounds_low]
-    for pool in pools:
-        if "native" not in pool.prepared:
-            pool.prepared["native"] = _prepared(pool)
-    fixed = [pool.prepared["native"] for pool in pools]
+    table = _int32_rows(table)
+    args = [_pool_args(pool, table) for pool in (keys, bounds_low) if pool is not None]
     seqs, num_heads, head_dim = q.shape
     if (
-        any(args is None for args in fixed)
-        or head_dim != fixed[0].head_dim
-        or head_dim > MAX_GROUPS
-        or num_heads // fixed[0].heads > MAX_QUERY_GROUP
+        any(pool_args is None for pool_args in args)
+        or head_dim != args[0].head_dim
+        or head_dim > MAX_DIM
+        or num_heads // args[0].heads > MAX_QUERY_GROUP
     ):
         return None
-    if table.dtype != torch.int32 or table.stride(-1) != 1:
-        table = table.to(torch.int32).contiguous()
     queries = q.float().contiguous()
     out = torch.empty(seqs, num_heads, length, device=q.device)
-    args = []
-    for pool, prepared in zip(pools, fixed, strict=True):
-        pool_args = _ReadArgs.from_buffer_copy(prepared)
-        pool_args.table, pool_args.table_stride = table.data_ptr(), table.stride(0)
-        pool_args.seqs, pool_args.blocks = seqs, table.shape[1]
-        pool_args.tensor_scale = 1.0 if pool.unit_tensor_scale else float(pool.tensor_scale)
-        args.append(pool_args)
     failed = library.kvtune_index_products(
         ctypes.byref(args[0]),
         ctypes.byref(args[1]) if len(args) > 1 else None,
         ctypes.c_void_p(queries.data_ptr()),
         ctypes.c_int64(queries.stride(0)),
         ctypes.c_int64(queries.stride(1)),
-        ctypes.c_int64(num_heads // fixed[0].heads),
+        ctypes.c_int64(num_heads // args[0].heads),
         ctypes.c_int64(length),
         ctypes.c_void_p(out.data_ptr()),
         ctypes.c_int64(out.stride(0)),
         ctypes.c_int64(out.stride(1)),
     )
     if failed:
-        raise IndexError(f"table: block ids must be below {fixed[0].num_blocks}")
+        raise IndexError(f"table: block ids must be below {args[0].num_blocks}")
     return out
