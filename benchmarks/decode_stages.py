@@ -30,10 +30,10 @@ from rich.console import Console
 
 from benchmarks.kernels import FORMATS, Shape, copy_bandwidth_gbps, kv_bytes, random_stream, time_ms
 from benchmarks.tables import print_rows
-from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_decode import decode_attention, default_num_splits
-from kvtune.kernels.pool import read_vectors_ref
-from kvtune.kernels.quantize import format_switches, load_dequant_tile
+from kvtune.kernels.attention.decode import decode_attention, default_num_splits
+from kvtune.kernels.attention.paged import PagedStream
+from kvtune.kernels.cache.pool import read_vectors_ref
+from kvtune.kernels.formats.quantize import format_switches, load_dequant_tile
 
 BLOCK_N = tl.constexpr(64)  # keys a loop iteration reads, as the decode kernel's tiles
 STAGES = ("bytes", "dequant", "attention")

@@ -5,10 +5,10 @@ The attention kernels take `dot_precision` ("ieee" or "tf32"; runtime backends `
 tensor cores; this measures whether that is negligible, three ways:
 
 - `--emulate` (any machine, no kernels): that rounding applied around an fp32 attention over
-  random vectors, the bound tests/kernels/test_attention_precision.py derives its tolerance from.
-- kernels: decode and prefill over paged fp16 / fp8 / fp4 caches, each precision's relative
-  error against the fp32 torch reference on the same device and its median time (tf32 / ieee).
-- engine (`--engine`): prompt logits of a random-weight tiny Llama (and of the embedded model
+  random vectors, the bound tests/kernels/attention/test_attention_precision.py derives its
+tolerance from. - kernels: decode and prefill over paged fp16 / fp8 / fp4 caches, each precision's
+  relative error against the fp32 torch reference on the same device and its median time (tf32 /
+ieee). - engine (`--engine`): prompt logits of a random-weight tiny Llama (and of the embedded model
   when it is installed) under `triton` vs `triton_tf32`, beside `triton` vs `torch` (the
   floor of numerical noise) and each quantized policy vs fp16 (the effect being tuned).
 
@@ -35,8 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from benchmarks.kernels import FORMATS, Shape, random_stream, time_ms
-from kvtune.kernels.attention import paged_attention_ref, stream_attention
-from kvtune.kernels.attention_decode import decode_attention
+from kvtune.kernels.attention.decode import decode_attention
+from kvtune.kernels.attention.paged import paged_attention_ref, stream_attention
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.policy import KVPolicy
 

@@ -141,7 +141,7 @@ note "env: $(grep -c MISSING "$out/env.txt") of the optional packages missing (e
 # --- tests ----------------------------------------------------------------------------------------
 if [ "$mode" = --smoke ]; then
     part "kernel tests (interpreter subset)" 60 tests.txt \
-        "$python" -m pytest -q -p no:cacheprovider tests/kernels/test_attention_precision.py
+        "$python" -m pytest -q -p no:cacheprovider tests/kernels/attention/test_attention_precision.py
     part "engine tests (skip off CUDA)" 30 tests.txt \
         "$python" -m pytest -q -p no:cacheprovider -rs tests/runtime/test_engine_device.py
 else

@@ -5,7 +5,7 @@
 Triton compiles ahead of time for a target it is not running on, and ptxas (shipped with
 Triton) reports each function's registers a thread and spilled bytes. A tile that spills, or
 holds so many registers that few warps fit an SM, is visible here before a device is lent.
-Compiles `kvtune.kernels.selection_decode`'s kernel as its launcher would for a SmolLM2-like
+Compiles `kvtune.kernels.selection.decode_scores`'s kernel as its launcher would for a SmolLM2-like
 (9 / 3 heads of 64) and a Llama-3-8B-like (32 / 8 heads of 128) layer, for the int4 index,
 both rules, at the launcher's tile and at 64 vectors a tile.
 """
@@ -25,9 +25,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from benchmarks.tables import print_rows
-from kvtune.kernels.kv_format import KVFormat
-from kvtune.kernels.quantize import format_switches
-from kvtune.kernels.selection_decode import _index_products_kernel, tile_vectors
+from kvtune.kernels.formats.kv_format import KVFormat
+from kvtune.kernels.formats.quantize import format_switches
+from kvtune.kernels.selection.decode_scores import _index_products_kernel, tile_vectors
 from kvtune.runtime.kv_bytes import index_format
 
 # Pointer types of the kernel's arguments for an index in a quantized format with fp16 scales

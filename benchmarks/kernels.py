@@ -31,11 +31,11 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.attention_torch import cache_attention_torch
-from kvtune.kernels.kv_format import KVFormat
-from kvtune.kernels.pool import KVPool
-from kvtune.kernels.selection import index_products_torch
+from kvtune.kernels.attention.paged import PagedStream
+from kvtune.kernels.attention.paged_torch import cache_attention_torch
+from kvtune.kernels.cache.pool import KVPool
+from kvtune.kernels.formats.kv_format import KVFormat
+from kvtune.kernels.selection.blocks import index_products_torch
 from kvtune.runtime.backends import cache_ops
 from kvtune.runtime.kv_bytes import index_format
 

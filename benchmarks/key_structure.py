@@ -18,8 +18,8 @@ import statistics
 
 import torch
 
-from kvtune.kernels.lloyd_max import levels
-from kvtune.kernels.rotation import hadamard_matrix
+from kvtune.kernels.formats.lloyd_max import levels
+from kvtune.kernels.formats.rotation import hadamard_matrix
 from kvtune.runtime import LLM, KVPolicy
 from kvtune.runtime.model import DenseCausalAttention
 

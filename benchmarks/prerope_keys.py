@@ -37,8 +37,8 @@ from rich.console import Console
 
 from benchmarks.tables import print_rows
 from kvtune.autotune.evaluation.haystack import held_out_paragraphs
-from kvtune.kernels.kv_format import KVFormat
-from kvtune.kernels.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.formats.kv_format import KVFormat
+from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
 from kvtune.runtime import LLM, KVPolicy
 from kvtune.runtime.model import DenseCausalAttention, apply_rope
 

@@ -41,10 +41,10 @@ for python in "$venv/bin/python" .venv/bin/python; do
     label=triton-$version
     # The compile check removes TRITON_INTERPRET itself (it runs in a child process).
     TRITON_INTERPRET=1 run_check "$python" "$label" interpreter tests/kernels \
-        --deselect tests/kernels/test_quantize.py::test_kernels_compile_for_cuda
+        --deselect tests/kernels/formats/test_quantize.py::test_kernels_compile_for_cuda
     run_check "$python" "$label" sm90-compile \
-        tests/kernels/test_quantize.py::test_kernels_compile_for_cuda
+        tests/kernels/formats/test_quantize.py::test_kernels_compile_for_cuda
 done
 EXTRA_PATH=$numpy23: TRITON_INTERPRET=1 run_check "$venv/bin/python" triton-3.6.0-numpy23 \
-    interpreter tests/kernels --deselect tests/kernels/test_quantize.py::test_kernels_compile_for_cuda
+    interpreter tests/kernels --deselect tests/kernels/formats/test_quantize.py::test_kernels_compile_for_cuda
 echo "logs: $logs"

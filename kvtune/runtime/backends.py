@@ -19,14 +19,14 @@ from functools import partial
 
 import torch
 
-from kvtune.kernels.attention import PagedStream, stream_attention
-from kvtune.kernels.attention_decode import decode_attention
-from kvtune.kernels.attention_merge import merge_attention
-from kvtune.kernels.attention_torch import cache_attention_torch
-from kvtune.kernels.cache_write import write_kv, write_kv_ref
-from kvtune.kernels.compress import compress_blocks, compress_blocks_ref
-from kvtune.kernels.selection import IndexProducts, index_products_torch
-from kvtune.kernels.selection_decode import index_products
+from kvtune.kernels.attention.decode import decode_attention
+from kvtune.kernels.attention.merge import merge_attention
+from kvtune.kernels.attention.paged import PagedStream, stream_attention
+from kvtune.kernels.attention.paged_torch import cache_attention_torch
+from kvtune.kernels.cache.compress import compress_blocks, compress_blocks_ref
+from kvtune.kernels.cache.write import write_kv, write_kv_ref
+from kvtune.kernels.selection.blocks import IndexProducts, index_products_torch
+from kvtune.kernels.selection.decode_scores import index_products
 from kvtune.runtime.errors import ConfigError
 
 
@@ -38,7 +38,7 @@ class CacheOps:
     # sequence's cache; positions None = decode.
     attention: Callable
     # fp32 [S, Hq, L] products of one decode query a sequence with its index vectors, which
-    # block selection turns into picks (`kvtune.kernels.selection.IndexProducts`).
+    # block selection turns into picks (`kvtune.kernels.selection.blocks.IndexProducts`).
     index_products: IndexProducts
 
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.fp_codes import E4M3_MAX
-from kvtune.kernels.kv_format import KVFormat
-from kvtune.kernels.rotation import Rotation, rotate
+from kvtune.kernels.formats.fp_codes import E4M3_MAX
+from kvtune.kernels.formats.kv_format import KVFormat
+from kvtune.kernels.formats.rotation import Rotation, rotate
 from kvtune.runtime.kv_bytes import LayerFormats
 from kvtune.runtime.model import DecoderModel, DenseCausalAttention
 from kvtune.runtime.tokenizer import Tokenizer

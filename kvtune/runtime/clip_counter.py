@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.fp_codes import E4M3_MAX
-from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.formats.fp_codes import E4M3_MAX
+from kvtune.kernels.formats.kv_format import KVFormat
 
 
 def range_limit(fmt: KVFormat, tensor_scale: torch.Tensor | None) -> float | None:

@@ -17,9 +17,9 @@ import dataclasses
 
 import torch
 
-from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.pool import KVPool, copy_blocks
-from kvtune.kernels.window_mass import window_attention_mass
+from kvtune.kernels.attention.paged import PagedStream
+from kvtune.kernels.cache.pool import KVPool, copy_blocks
+from kvtune.kernels.selection.window_mass import window_attention_mass
 from kvtune.runtime.block_manager import KeepGroup, SequenceKV
 from kvtune.runtime.policy import KEEP_GROUP, KVPolicy
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.policy import INDEX_GROUP, KEEP_GROUP, KVPolicy
 

@@ -40,13 +40,19 @@ from itertools import compress
 
 import torch
 
-from kvtune.kernels.attention import PagedStream
-from kvtune.kernels.compress import compress_blocks_ref
-from kvtune.kernels.kv_format import KVFormat
-from kvtune.kernels.pool import KVPool, copy_blocks
-from kvtune.kernels.rope_align import summary_alignment
-from kvtune.kernels.rotation import Rotation, rotate, rotate_queries, rotation_matrix, unrotate
-from kvtune.kernels.selection import select_blocks, write_key_bounds, write_key_means
+from kvtune.kernels.attention.paged import PagedStream
+from kvtune.kernels.cache.compress import compress_blocks_ref
+from kvtune.kernels.cache.pool import KVPool, copy_blocks
+from kvtune.kernels.cache.rope_align import summary_alignment
+from kvtune.kernels.formats.kv_format import KVFormat
+from kvtune.kernels.formats.rotation import (
+    Rotation,
+    rotate,
+    rotate_queries,
+    rotation_matrix,
+    unrotate,
+)
+from kvtune.kernels.selection.blocks import select_blocks, write_key_bounds, write_key_means
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import CacheOps
 from kvtune.runtime.block_manager import (

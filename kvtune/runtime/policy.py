@@ -13,15 +13,15 @@ from typing import Any
 
 import yaml
 
-from kvtune.kernels.element_formats import ELEMENT_FORMATS
-from kvtune.kernels.kv_format import (
+from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
+from kvtune.kernels.formats.kv_format import (
     QUANTIZED_DTYPES,
     TENSOR_SCALES,
     ZERO_POINT_SCALE_DTYPES,
     KVFormat,
 )
-from kvtune.kernels.rotation import POWER_OF_TWO_ROTATIONS, ROTATIONS, is_power_of_two
-from kvtune.kernels.scale_formats import SCALE_FORMATS
+from kvtune.kernels.formats.rotation import POWER_OF_TWO_ROTATIONS, ROTATIONS, is_power_of_two
+from kvtune.kernels.formats.scale_formats import SCALE_FORMATS
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
 
@@ -55,8 +55,8 @@ PER_TENSOR = "tensor"
 # What the boundary layers cache (boundary_layers).
 BOUNDARY_PAIR = ("fp16", "fp16")
 # How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
-# pooled before RoPE; kvtune/kernels/rope_align.py), or averaged as cached (post_rope, the old way);
-# none: no summaries, an older block a query does not select is skipped (Quest).
+# pooled before RoPE; kvtune/kernels/cache/rope_align.py), or averaged as cached (post_rope, the
+# old way); none: no summaries, an older block a query does not select is skipped (Quest).
 NO_SUMMARY = "none"
 CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
 # What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
@@ -147,8 +147,8 @@ class KVPolicy:
         vLLM's turboquant_k8v4 keeps fp8 keys per tensor beside per-vector value scales.
     scale_dtype: fp16 group scales, e4m3 (NVFP4-style, with an fp32 per-tensor scale), fp32
         (vLLM's per-token-head scales) or ue8m0 (powers of two, MX-style); see
-        kvtune/kernels/scale_formats.py. The integer formats need fp16: their zero points are stored
-        in the scale dtype.
+        kvtune/kernels/formats/scale_formats.py. The integer formats need fp16: their zero points
+        are stored in the scale dtype.
     k_scale_axis: token (keys grouped along head_dim per token, like values), or channel (one
         scale per channel per block of block_size keys, KIVI-style: fixed outlier channels no
         longer set every token's scale). A channel-scaled block is quantized once full; until
@@ -202,12 +202,12 @@ class KVPolicy:
     chunk_size: prefill chunk in tokens, a multiple of block_size.
     rotation: none, or hadamard: an orthonormal randomized Hadamard rotation of K and V along
         head_dim in every layer with a quantized K or V stream, applied before they are cached
-        (queries rotated alike, the attention output rotated back; kvtune/kernels/rotation.py), or
-        vllm_rht: vLLM's int4_per_token_head transform (unnormalized, one sign vector for all
-        layers, rotated K and V cast back to the model dtype). It costs no cache bytes.
-    tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
-        text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use
-        without checkpoint k_scale / v_scale: the engine presets).
+        (queries rotated alike, the attention output rotated back;
+        kvtune/kernels/formats/rotation.py), or vllm_rht: vLLM's int4_per_token_head transform
+        (unnormalized, one sign vector for all layers, rotated K and V cast back to the model
+    dtype). It costs no cache bytes. tensor_scale: calibrated (each layer's fp32 K and V tensor
+        scales are measured on a fixed text, for per-tensor and E4M3-scaled streams) or unit (1, as
+        vLLM and SGLang use without checkpoint k_scale / v_scale: the engine presets).
     boundary_layers: the first and last N layers (at most half the model each) are cached in
         fp16 whatever the dtypes say; vLLM's turboquant_* caches keep 2 in the model dtype
         (16-bit on every GPU deployment; fp16 here, so that an fp32 CPU run counts the bytes

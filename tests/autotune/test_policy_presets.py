@@ -1,9 +1,9 @@
 """The engine presets as a user selects them: `policy=<engine>/<kv-cache-dtype>` on the real CLI.
 
 Every file conf/policy/<engine>/<dtype>.yaml is named after the engine's --kv-cache-dtype, so
-its bytes per token are checked against the byte formula of tests/kernels/engine_formats_ref.py
-(written from the engines' sources) for that engine and dtype.
-"""
+its bytes per token are checked against the byte formula of
+tests/kernels/formats/engine_formats_ref.py (written from the engines' sources) for that engine and
+dtype."""
 
 import json
 import subprocess
@@ -15,7 +15,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from kvtune.autotune.config.settings import build_policy
-from tests.kernels.engine_formats_ref import kv_bytes_per_token_head, vllm_layer_kv_dtype
+from tests.kernels.formats.engine_formats_ref import kv_bytes_per_token_head, vllm_layer_kv_dtype
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 KVTUNE = [

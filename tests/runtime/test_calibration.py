@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvtune.kernels.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
 from kvtune.runtime import LLM
 from kvtune.runtime.block_manager import MAIN
 from kvtune.runtime.calibration import CALIBRATION_REPLY, CALIBRATION_TEXT, calibration_token_ids

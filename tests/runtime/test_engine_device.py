@@ -5,7 +5,7 @@ the kernels' dot products.
 - ieee (`triton`): the CPU interpreter's bound (tests/runtime/test_engine.py): 1e-4 relative
   error in the prompt logits, and the same greedy tokens.
 - tf32 (`triton_tf32`): attention outputs carry up to ~5e-4 relative error a layer
-  (tests/kernels/test_attention_precision.py), so 5e-3 in the logits; tokens may differ.
+  (tests/kernels/attention/test_attention_precision.py), so 5e-3 in the logits; tokens may differ.
 
 On the CPU these cases are test_engine.py's (the interpreter has no tf32), so they run on CUDA
 only.

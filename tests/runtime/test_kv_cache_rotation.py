@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtune.kernels.quantize import dequantize_ref, quantize_ref
-from kvtune.kernels.rotation import rotation_matrix
+from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.formats.rotation import rotation_matrix
 from kvtune.runtime import LLM
 from kvtune.runtime.block_manager import MAIN
 from kvtune.runtime.calibration import FREE_HEADROOM, calibration_token_ids

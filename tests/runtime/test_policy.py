@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvtune.kernels.kv_format import KVFormat
+from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.policy import KVPolicy

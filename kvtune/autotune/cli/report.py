@@ -13,7 +13,7 @@ from rich.table import Table
 
 from kvtune.autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, active
 from kvtune.autotune.study.results import TrialRecord
-from kvtune.kernels.kv_format import QUANTIZED_DTYPES
+from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES
 
 MIB = 1 << 20
 

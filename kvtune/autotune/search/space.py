@@ -19,8 +19,8 @@ from typing import Any
 import optuna
 from optuna.distributions import CategoricalDistribution
 
-from kvtune.kernels.kv_format import QUANTIZED_DTYPES, ZERO_POINT_SCALE_DTYPES
-from kvtune.kernels.rotation import is_power_of_two
+from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES, ZERO_POINT_SCALE_DTYPES
+from kvtune.kernels.formats.rotation import is_power_of_two
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.policy import (

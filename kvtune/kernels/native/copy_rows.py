@@ -1,5 +1,5 @@
-"""The CPU kernel of `kvtune.kernels.pool.copy_blocks` with heads (copy_rows.c): every chosen KV
-head's slice of a block copied as its rows of bytes in one call a tensor, the same bytes as the
+"""The CPU kernel of `kvtune.kernels.cache.pool.copy_blocks` with heads (copy_rows.c): every chosen
+KV head's slice of a block copied as its rows of bytes in one call a tensor, the same bytes as the
 torch path's gather and scatter."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
  * gather, a decode, a multiply and an add, each a pass over the data and a call from Python.
  * Decode selection's index products read the same way, dotted as they are decoded. Driven by
  * kvtune/kernels/native/read_blocks.py, which checks every argument first; the layouts are
- * KVPool's (kvtune/kernels/pool.py). */
+ * KVPool's (kvtune/kernels/cache/pool.py). */
 #include <stdint.h>
 #include <string.h>
 

@@ -1,4 +1,4 @@
-"""The CPU kernels of `kvtune.kernels.pool.read_blocks_into` for group-scaled codes and of
+"""The CPU kernels of `kvtune.kernels.cache.pool.read_blocks_into` for group-scaled codes and of
 decode selection's index products (read_blocks.c): gather, element decode, scale and zero
 point in one pass, the same bits as the torch path (products: the same sums in another order).
 Elements are decoded by a table of every byte's values, made from the format's own decode
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,8 +19,8 @@ import torch
 from kvtune.kernels.native.build import load_kernel
 
 if TYPE_CHECKING:
-    from kvtune.kernels.kv_format import KVFormat
-    from kvtune.kernels.pool import KVPool
+    from kvtune.kernels.cache.pool import KVPool
+    from kvtune.kernels.formats.kv_format import KVFormat
 
 SOURCE = Path(__file__).with_suffix(".c")
 DECODE_NIBBLES, DECODE_BYTES, DECODE_TABLE = 0, 1, 2
@@ -135,13 +136,23 @@ def _prepared(pool: KVPool) -> _ReadArgs | None:
     )
 
 
+# The fixed arguments of every live pool, made once (`_prepared`): a decode step reads each
+# pool several times in every layer. Keyed by the pool's identity and dropped with the pool.
+_fixed_args: dict[int, _ReadArgs | None] = {}
+
+
+def _fixed(pool: KVPool) -> _ReadArgs | None:
+    key = id(pool)
+    if key not in _fixed_args:
+        _fixed_args[key] = _prepared(pool)
+        weakref.finalize(pool, _fixed_args.pop, key, None)
+    return _fixed_args[key]
+
+
 def _pool_args(pool: KVPool, table: torch.Tensor) -> _ReadArgs | None:
     """The arguments of a read of pool by table (int32, rows contiguous), or None where this
-    kernel does not apply. The fixed ones are made once per pool (`_prepared`): a decode step
-    reads each pool several times in every layer."""
-    if "native" not in pool.prepared:
-        pool.prepared["native"] = _prepared(pool)
-    fixed = pool.prepared["native"]
+    kernel does not apply."""
+    fixed = _fixed(pool)
     if fixed is None:
         return None
     args = _ReadArgs.from_buffer_copy(fixed)
