@@ -337,7 +337,8 @@ def main() -> None:
             )
         )
         # The absolute steps show the machine's state: a CPU whose fp16 step is fast runs the
-        # policy's many small calls relatively slower (benchmarks/RESULTS.md, stop 34).
+        # policy's many small calls relatively slower (benchmarks/RESULTS.md, "CSA pooling and
+        # selection": the decode tables).
         console.log(
             f"{name}: {device} device, {step / fp16_step:.2f}x fp16's decode step "
             f"({step * 1000:.1f} / {fp16_step * 1000:.1f} ms)"

@@ -1,9 +1,9 @@
 """Where quantized decode spends its time: the paged cache read three ways, in one run.
 
-The first H200 run (RESULTS.md, "Kernels") found fp8 and fp4 decode 3-9x slower than fp16 once
-the dots are tf32, at 1-4% of the copy bandwidth. This benchmark separates the suspects: for each
-format, over the same shuffled blocks and with the decode kernel's grid (sequence, KV head,
-split), it times
+The first H200 run (RESULTS.md, "Kernels on an H200") found fp8 and fp4 decode 3-9x slower than
+fp16 once the dots are tf32, at 1-4% of the copy bandwidth. This benchmark separates the
+suspects: for each format, over the same shuffled blocks and with the decode kernel's grid
+(sequence, KV head, split), it times
 
     bytes      every code and scale byte of K and V read as whole, contiguous rows and summed
                (the paging and the bytes, with nothing decoded);

@@ -327,7 +327,7 @@ def speedup(baseline: Row | None, row: Row) -> str:
 
 def backend_for(device: str) -> str:
     """The kernels with tf32 dots on a GPU (fp32 `ieee` dots run on the CUDA cores there, 20-130x
-    slower: RESULTS.md, "Kernels"); the torch path on a CPU."""
+    slower: RESULTS.md, "Kernels on an H200"); the torch path on a CPU."""
     return "triton_tf32" if device == "cuda" else "torch"
 
 
