@@ -29,7 +29,7 @@ from kvtune.runtime.calibration import tensor_scale
 from kvtune.runtime.policy import KVPolicy
 from tests.kernels.formats import engine_formats_ref as ref
 
-CONF = Path(__file__).resolve().parents[2] / "conf"
+CONF = Path(__file__).resolve().parents[3] / "conf"
 BLOCK, NUM_BLOCKS, HEADS, DIM = 16, 4, 2, 64
 TOKENS = 40
 Encoded = tuple[np.ndarray, np.ndarray | None]

@@ -27,7 +27,7 @@ from kvtune.kernels.formats.quantize import (
     quantize_ref,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 QUANTIZED_FORMATS = [
     KVFormat(dtype, group, scale)
