@@ -8,7 +8,7 @@ import torch
 
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS, ElementFormat
 from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES, TORCH_DTYPES, KVFormat
-from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
+from kvtune.kernels.formats.quantize import dequantize, dequantize_ref, quantize, quantize_ref
 
 QUANTIZED = [name for name, element in ELEMENT_FORMATS.items() if element.quantized]
 UNQUANTIZED = [name for name, element in ELEMENT_FORMATS.items() if not element.quantized]
@@ -108,3 +108,19 @@ def test_affine_decode_marks_what_code_times_scale_plus_zero_reconstructs(name):
         affine = affine + scale[..., groups:, None]
     matches = torch.equal(affine.flatten(-2), dequantize_ref(codes, scales, fmt, None, HEAD_DIM))
     assert matches == element.affine_decode
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_the_kernels_reach_every_format_and_match_its_references(name):
+    """A format's CODE reaches the Triton quantize and dequantize, which equal the torch
+    references bit for bit (a format of a new family needs its branches in quantize.py)."""
+    element = ELEMENT_FORMATS[name]
+    group = HEAD_DIM if element.whole_vector else 16
+    fmt = KVFormat(name, group, element.scale_dtype or "fp16")
+    x = torch.randn(3, 2, HEAD_DIM, generator=torch.Generator().manual_seed(3)) * 2
+    codes, scales = quantize(x, fmt)
+    codes_ref, scales_ref = quantize_ref(x, fmt)
+    assert torch.equal(codes, codes_ref)
+    assert torch.equal(scales.view(torch.uint8), scales_ref.view(torch.uint8))
+    values = dequantize(codes, scales, fmt, None, HEAD_DIM)
+    assert torch.equal(values, dequantize_ref(codes, scales, fmt, None, HEAD_DIM))
