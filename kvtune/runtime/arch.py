@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtune.kernels.formats.kv_format import ELEMENT_BITS, TORCH_DTYPES
+from kvtune.runtime.dtypes import DTYPE_SPELLINGS
 from kvtune.runtime.errors import ConfigError
 
 GIB = 1 << 30
-TORCH_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
 WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.gguf")
 
 
@@ -52,8 +53,8 @@ class ModelArch:
             )
         if self.weights_bytes < 0:
             raise ConfigError("model.weights_gib", self.weights_bytes / GIB, "a number >= 0")
-        if self.dtype not in TORCH_DTYPE_NAMES.values():
-            raise ConfigError("model.dtype", self.dtype, "one of fp32, fp16, bf16")
+        if self.dtype not in TORCH_DTYPES:
+            raise ConfigError("model.dtype", self.dtype, f"one of {', '.join(TORCH_DTYPES)}")
 
     @property
     def is_mla(self) -> bool:
@@ -97,11 +98,9 @@ def arch_from_folder(folder: str | Path) -> ModelArch:
     config = json.loads(config_file.read_text())
     # transformers >= 5 writes the checkpoint dtype as "dtype", earlier ones as "torch_dtype".
     declared = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
-    dtype = TORCH_DTYPE_NAMES.get(str(declared), "bf16")
+    dtype = DTYPE_SPELLINGS.get(str(declared), "bf16")
     heads = config["num_attention_heads"]
-    weights = _weight_file_bytes(path) or _estimated_weight_bytes(
-        config, 4 if dtype == "fp32" else 2
-    )
+    weights = _weight_file_bytes(path) or _estimated_weight_bytes(config, ELEMENT_BITS[dtype] // 8)
     return ModelArch(
         name=path.name,
         num_layers=config["num_hidden_layers"],

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.formats.fp_codes import E4M3_MAX
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.kernels.formats.rotation import Rotation, rotate
 from kvtune.runtime.kv_bytes import LayerFormats
@@ -52,16 +51,17 @@ def calibration_token_ids(tokenizer: Tokenizer) -> list[int]:
 
 def needs_tensor_scale(fmt: KVFormat) -> bool:
     """Whether a stream's tensor scale is measured: a quantized format with one scale per
-    tensor or E4M3 group scales, whose tensor scale is calibrated (not unit, i.e. 1)."""
-    scaled_by_tensor = fmt.group_size is None or fmt.scale_dtype == "e4m3"
+    tensor or group scales relative to it (E4M3's), whose tensor scale is calibrated (not unit,
+    i.e. 1)."""
+    scaled_by_tensor = fmt.group_size is None or fmt.scale_format.relative_max is not None
     return fmt.quantized and scaled_by_tensor and fmt.tensor_scale == "calibrated"
 
 
 def headroom(fmt: KVFormat) -> float:
     """Multiple of the calibrated maximum that stays representable (see the module docstring):
-    none for per-tensor fp4 codes, FREE_HEADROOM otherwise."""
-    per_tensor_fp4 = fmt.group_size is None and fmt.dtype.startswith("fp4")
-    return 1.0 if per_tensor_fp4 else FREE_HEADROOM
+    none for per-tensor codes with few levels (fp4's), FREE_HEADROOM otherwise."""
+    per_tensor_few_levels = fmt.group_size is None and fmt.element.few_levels
+    return 1.0 if per_tensor_few_levels else FREE_HEADROOM
 
 
 def tensor_scale(
@@ -73,8 +73,8 @@ def tensor_scale(
     largest = amax * headroom(fmt)
     if fmt.group_size is None:
         value = largest / fmt.max_code
-    else:  # group scales in E4M3 must stay <= 448 after dividing by the tensor scale
-        value = largest / (fmt.max_code * E4M3_MAX)
+    else:  # group scales (E4M3: <= 448) must fit after dividing by the tensor scale
+        value = largest / (fmt.max_code * fmt.scale_format.relative_max)
     value = max(value, torch.finfo(torch.float32).tiny)
     return torch.tensor([value], dtype=torch.float32, device=device)
 

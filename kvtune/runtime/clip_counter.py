@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from kvtune.kernels.formats.fp_codes import E4M3_MAX
 from kvtune.kernels.formats.kv_format import KVFormat
 
 
@@ -26,8 +25,8 @@ def range_limit(fmt: KVFormat, tensor_scale: torch.Tensor | None) -> float | Non
         return None
     if fmt.group_size is None:
         return fmt.max_code * scale
-    if fmt.scale_dtype == "e4m3":
-        return fmt.max_code * E4M3_MAX * scale
+    if fmt.scale_format.relative_max is not None:
+        return fmt.max_code * fmt.scale_format.relative_max * scale
     return None
 
 

@@ -5,19 +5,15 @@ from __future__ import annotations
 
 import torch
 
+from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
+from kvtune.kernels.formats.kv_format import TORCH_DTYPES
 from kvtune.runtime.errors import ConfigError
 
-DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# The compute dtypes are the registry's unquantized formats.
+DTYPE_NAMES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.items()}
 # The compute dtype as kvtune, vLLM (`--dtype`) and PyTorch users write it.
 DTYPE_SPELLINGS = {
-    "fp32": "fp32",
-    "float32": "fp32",
-    "float": "fp32",
-    "fp16": "fp16",
-    "float16": "fp16",
-    "half": "fp16",
-    "bf16": "bf16",
-    "bfloat16": "bf16",
+    spelling: name for name in TORCH_DTYPES for spelling in (name, *ELEMENT_FORMATS[name].spellings)
 }
 AUTO_DTYPE = "auto"
 

@@ -28,12 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvtune.kernels.formats.kv_format import TORCH_DTYPES
 from kvtune.runtime.checkpoint import ModelConfig, open_checkpoint
 from kvtune.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class Attention(Protocol):
@@ -78,11 +77,11 @@ class DenseCausalAttention:
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """A torch dtype from itself or from its short name (fp32 | fp16 | bf16)."""
-    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+    if isinstance(dtype, torch.dtype) and dtype in TORCH_DTYPES.values():
         return dtype
-    if dtype not in DTYPES:
-        raise ConfigError("model.dtype", dtype, f"one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if dtype not in TORCH_DTYPES:
+        raise ConfigError("model.dtype", dtype, f"one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[dtype]
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -24,8 +24,8 @@ from kvtune.kernels.formats.rotation import POWER_OF_TWO_ROTATIONS, ROTATIONS, i
 from kvtune.kernels.formats.scale_formats import SCALE_FORMATS
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_dtypes import AUTO, KV_DTYPES
 
-KV_DTYPES: tuple[str, ...] = ("auto", "fp16", "bf16", *QUANTIZED_DTYPES)
 # Asymmetric formats: a zero point beside each group scale (no per-tensor form, no E4M3 scales).
 ZERO_POINT_DTYPES: tuple[str, ...] = tuple(
     name for name, element in ELEMENT_FORMATS.items() if element.zero_point
@@ -72,16 +72,27 @@ POOLED_INDEXES: tuple[str, ...] = ("bounds", "means")
 # sharp) in one of these dtypes, whatever the layer's formats (so per-channel keys, which are
 # quantized a whole block at a time, can sit beside selection).
 INDEX_IN_LAYER_FORMAT = "auto"
-CSA_INDEX_DTYPES: tuple[str, ...] = (INDEX_IN_LAYER_FORMAT, "fp16", "fp8", "int8", "int4")
+# A quantized separate index keeps groups of INDEX_GROUP channels with fp16 scales (bounds in
+# the model's basis keep RoPE's outlier channels, which one scale a vector would flatten), so
+# any policy dtype whose codes take such groups can hold it.
+INDEX_GROUP = 32
+INDEX_SCALE_DTYPE = "fp16"
+CSA_INDEX_DTYPES: tuple[str, ...] = (
+    INDEX_IN_LAYER_FORMAT,
+    *(
+        name
+        for name in KV_DTYPES
+        if name != AUTO
+        and not ELEMENT_FORMATS[name].whole_vector
+        and ELEMENT_FORMATS[name].scale_dtype in (None, INDEX_SCALE_DTYPE)
+    ),
+)
 # Where decode puts the blocks it fetches from the host tier: resident (each layer keeps its own
 # staging blocks, so a block chosen again next step is not fetched again) or streamed (one
 # staging pool shared by the layers in turn, as ShadowKV and InfiniGen fetch a layer at a time:
 # a layer's selection is fetched every step, for 1 / num_layers of the device bytes).
 RESIDENT_STAGING = "resident"
 CSA_STAGINGS: tuple[str, ...] = (RESIDENT_STAGING, "streamed")
-# Channels sharing one fp16 scale in a quantized separate index: bounds in the model's basis
-# keep RoPE's outlier channels, which one scale a vector would flatten.
-INDEX_GROUP = 32
 # Older blocks are kept by importance in groups of this many consecutive blocks: csa_keep of
 # each group stays exact, decided when the group's first block leaves the window.
 KEEP_GROUP = 8
@@ -135,10 +146,11 @@ def _parse_layer_pair(index: int, pair: object) -> str:
 class KVPolicy:
     """Tunable KV-cache policy.
 
-    k_dtype, v_dtype: default element format of keys and values in every layer
-        (auto = the model's compute dtype, the exact reference path): fp16, bf16, fp8 (E4M3),
-        fp4 (E2M1), fp4_ties_away (E2M1 rounded as SGLang's fp4_mx_block16), or the asymmetric
-        uniform int8, int4, int2 (a scale and a zero point per group; see kernels/quantize.py).
+    k_dtype, v_dtype: default element format of keys and values in every layer: auto (the
+        model's compute dtype, the exact reference path) or a registered element format
+        (kvtune/kernels/formats/element_formats.py: fp16, bf16, fp8 (E4M3), fp4 (E2M1), the
+        asymmetric uniform int8 ... int2 with a scale and a zero point per group, the engines'
+        own formats, ...; KV_DTYPES lists them).
     layer_dtypes: optional "K/V" pair per layer overriding the defaults, e.g. ("fp8/fp4", ...).
     group_size: elements along head_dim sharing one scale, or "tensor" for one scale per layer
         and per K/V (fp8/fp4 only: the integer formats need a group). Only quantized streams
@@ -175,9 +187,9 @@ class KVPolicy:
         but on SmolLM2 it loses multi-token retrieval) or summaries (the attention its
         summaries get; no extra bytes).
     csa_index_dtype: where bounds or means live: auto (one slot a block in the layer's
-        formats and rotated space), or fp16, fp8, int8 or int4: a separate index
-        pool in the model's basis (groups of 32 channels with fp16 scales for the 8- and 4-bit
-        dtypes), which per-channel keys need beside selection.
+        formats and rotated space), or a dtype of CSA_INDEX_DTYPES (fp16, fp8, int8, int4, ...:
+        any whose codes take groups of 32 channels with fp16 scales): a separate index pool in
+        the model's basis, which per-channel keys need beside selection.
     csa_host: keep the exact older blocks in a host-memory tier (CUDA: pinned host memory; a
         CPU has a second pool), from which selected blocks are fetched into a device staging
         pool of csa_topk blocks a sequence. Device bytes count the staging pool, not the tier.
@@ -629,7 +641,7 @@ class KVPolicy:
         keys: the stream holds keys (k_scale_axis applies)."""
         size = self.key_group_size if keys else self.group_size
         group = None if size == PER_TENSOR else size
-        element = auto_dtype if dtype == "auto" else dtype
+        element = auto_dtype if dtype == AUTO else dtype
         if keys and self.k_scale_axis == "channel" and element in QUANTIZED_DTYPES:
             return KVFormat(
                 element,

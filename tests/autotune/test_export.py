@@ -396,7 +396,7 @@ def test_notes_say_when_an_engine_config_is_not_the_measured_cache(tmp_path):
         f"stores {ratio:.2f}x the policy's bytes (fewer)"
     ) in notes
     assert "carries over" not in notes and "at least the policy's precision" not in notes
-    assert "FP8 group scales (group_size=16, fp16)" in notes
+    assert "fp8: FP8 E4M3 codes; fp16 scales, one per group of 16; exported as FP8" in notes
 
 
 def test_notes_vouch_for_an_engine_storing_the_measured_codes(tmp_path):

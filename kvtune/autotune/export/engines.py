@@ -26,35 +26,50 @@ import yaml
 
 from kvtune.autotune.config.engine_presets import ENGINES
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
-from kvtune.autotune.export.exact_presets import EXACT, ExactPreset, exact_preset
+from kvtune.autotune.export.exact_presets import ExactPreset, exact_preset
 from kvtune.autotune.planning.capacity import CapacityRow, build_plan, capacity_row, kv_budget_bytes
 from kvtune.autotune.study.objectives import capacity_metrics
 from kvtune.autotune.study.recipe import TuneSetup
 from kvtune.autotune.study.results import TrialRecord, metric_table
+from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence, kv_bytes_per_token
-from kvtune.runtime.policy import NO_ROTATION, PER_TENSOR, ZERO_POINT_DTYPES, KVPolicy
+from kvtune.runtime.kv_dtypes import (
+    AUTO,
+    KV_DTYPE_INFO,
+    KV_DTYPES,
+    most_precise_first,
+    nearest_engine_dtype,
+)
+from kvtune.runtime.policy import NO_ROTATION, PER_TENSOR, KVPolicy
 
 VLLM_CUDA_MAX_BLOCK = 32
 NVFP4_GROUP = 16
+# What the engines store for a format of each storage class (`nearest_engine` in the format
+# registry) when none stores the format itself; FP8 per tensor is the nearest config's own.
+NEAREST_STORAGE = "fp8"
+PER_TENSOR_SCALES = "one scale per tensor"
+ENGINE_STORAGE = {
+    "fp8": "exported as FP8 (E4M3 with one scale per tensor; vLLM's fp8_per_token_head keeps "
+    "one fp32 scale per vector)",
+    "fp4": "the engines' FP4 caches are nvfp4 (E4M3 scales per 16 and a global scale; "
+    "nvfp4_4over6 in vLLM; SGLang's fp4_mx_block16: power-of-two scales per 16), and vLLM's "
+    "nearest config is FP8",
+}
 MIB = 1 << 20
 # Where the engines have no counterpart (compression, selection): what KVPolicy does by default.
 _DEFAULT_POLICY = KVPolicy()
 
 
 def layer_levels(policy: KVPolicy, num_layers: int) -> list[str]:
-    """Per layer, the least precise format an engine may use for both K and V: auto when
-    either stream is exact, fp4 when both are fp4, else fp8 (fp8, and the integer formats,
-    which no exported config stores: fp8 keeps at least their precision)."""
-    levels = []
-    for pair in policy.layer_pairs(num_layers):
-        if any(d in EXACT for d in pair):
-            levels.append("auto")
-        elif all(d == "fp4" for d in pair):
-            levels.append("fp4")
-        else:
-            levels.append("fp8")
-    return levels
+    """Per layer, the least precise format an engine may use for both K and V: the more
+    precise of the two streams' engine storage classes (auto when either stream is exact; fp4
+    when both are FP4; else fp8, which keeps at least the precision of the integer and other
+    formats no exported config stores; `FormatInfo.nearest_engine` in the format registry)."""
+    return [
+        most_precise_first(map(nearest_engine_dtype, pair))[0]
+        for pair in policy.layer_pairs(num_layers)
+    ]
 
 
 def _engine_policy(
@@ -114,11 +129,11 @@ def vllm_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
     if exact is not None:
         return _exact_mapping(policy, arch, exact)
     levels = layer_levels(policy, arch.num_layers)
-    if all(level == "auto" for level in levels):
+    if all(level == AUTO for level in levels):
         pairs = ["auto/auto"] * arch.num_layers
         return EngineMapping("auto", (), _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
-    skip = tuple(i for i, level in enumerate(levels) if level == "auto")
-    pairs = ["auto/auto" if level == "auto" else "fp8/fp8" for level in levels]
+    skip = tuple(i for i, level in enumerate(levels) if level == AUTO)
+    pairs = ["auto/auto" if level == AUTO else "fp8/fp8" for level in levels]
     return EngineMapping("fp8_e4m3", skip, _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
 
 
@@ -167,7 +182,7 @@ def sglang_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
         return _exact_mapping(policy, arch, exact)
     levels = set(layer_levels(policy, arch.num_layers))
     layers = arch.num_layers
-    if "auto" in levels:
+    if AUTO in levels:
         return EngineMapping("auto", (), _engine_policy(policy, ["auto/auto"] * layers, 32, "fp16"))
     if "fp8" in levels or arch.cached_vector_size % NVFP4_GROUP:
         pairs = ["fp8/fp8"] * layers
@@ -268,6 +283,37 @@ def sglang_args(
     ]
 
 
+def _format_gaps(policy: KVPolicy, pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """One line per family of the quantized element formats in pairs (formats sharing their
+    registered description) and their scales, where no engine config stores them as the policy
+    does: all but FP8 with one scale per tensor, the nearest config's own storage."""
+    streams = {"keys": _scales(policy, keys=True), "values": _scales(policy, keys=False)}
+    families: dict[tuple[str, str], set[str]] = {}
+    for index, (stream, scales) in enumerate(streams.items()):
+        if streams["keys"] != streams["values"]:
+            scales += f" ({stream})"
+        dtypes = {pair[index] for pair in pairs} & set(QUANTIZED_DTYPES)
+        for dtype in sorted(dtypes, key=KV_DTYPES.index):
+            if (dtype, streams[stream]) != (NEAREST_STORAGE, PER_TENSOR_SCALES):
+                description = KV_DTYPE_INFO[dtype].description
+                families.setdefault((description, scales), set()).add(dtype)
+    return [
+        f"{', '.join(sorted(dtypes))}: {description}; {scales}; "
+        f"{ENGINE_STORAGE[nearest_engine_dtype(min(dtypes))]}"
+        for (description, scales), dtypes in families.items()
+    ]
+
+
+def _scales(policy: KVPolicy, keys: bool) -> str:
+    """The scales of the policy's key or value streams, in words."""
+    if keys and policy.k_scale_axis == "channel":
+        return f"{policy.scale_dtype} scales, one per channel in each block of {policy.block_size}"
+    group = policy.key_group_size if keys else policy.group_size
+    if group == PER_TENSOR:
+        return PER_TENSOR_SCALES
+    return f"{policy.scale_dtype} scales, one per group of {group}"
+
+
 def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> list[str]:
     """What no engine config here expresses, for this policy (its element and scale formats
     are left out when formats_exported: an engine stores them exactly)."""
@@ -277,25 +323,9 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
         gaps.append("different K and V dtypes in a layer (engines store K and V alike)")
     if len(set(pairs)) > 1:
         gaps.append("per-layer dtype mixtures beyond vLLM's skip list (SGLang: none at all)")
-    integer = sorted({d for pair in pairs for d in pair} & set(ZERO_POINT_DTYPES))
-    if integer:
-        gaps.append(
-            f"integer formats ({', '.join(integer)}: an fp16 scale and zero point per group of "
-            f"{policy.group_size}); exported as FP8"
-        )
+    gaps += _format_gaps(policy, pairs)
     if policy.rotation != NO_ROTATION and not formats_exported:
         gaps.append(f"the {policy.rotation} rotation of K and V (no exported config rotates)")
-    if any("fp4" in pair for pair in pairs):
-        gaps.append(
-            f"FP4 with group_size={policy.group_size} and {policy.scale_dtype} scales "
-            "(the engines' FP4 caches are nvfp4: E4M3 scales per 16 and a global scale, "
-            "nvfp4_4over6 in vLLM, fp4_mx_block16 in SGLang: power-of-two scales per 16)"
-        )
-    if any("fp8" in pair for pair in pairs) and policy.group_size != PER_TENSOR:
-        gaps.append(
-            f"FP8 group scales (group_size={policy.group_size}, {policy.scale_dtype}); engines "
-            "scale per tensor or, vLLM's fp8_per_token_head, with one fp32 scale per vector"
-        )
     if policy.recent_unquantized:
         gaps.append(f"the {policy.recent_unquantized} most recent tokens kept in fp16")
     if policy.compressed:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from kvtune.autotune.config.engine_presets import engine_presets
 from kvtune.runtime.arch import ModelArch
+from kvtune.runtime.kv_dtypes import EXACT_DTYPES
 from kvtune.runtime.policy import KVPolicy
 
-EXACT = ("auto", "fp16", "bf16")
 STORAGE_FIELDS = ("group_size", "key_group_size", "scale_dtype", "k_scale_axis", "rotation")
 
 
@@ -56,4 +56,4 @@ def exact_preset(policy: KVPolicy, arch: ModelArch, engine: str) -> ExactPreset 
 
 
 def _exact_layers(pairs: list[tuple[str, str]]) -> set[int]:
-    return {i for i, pair in enumerate(pairs) if all(d in EXACT for d in pair)}
+    return {i for i, pair in enumerate(pairs) if all(d in EXACT_DTYPES for d in pair)}

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
+from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.runtime.arch import GIB, ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import (
@@ -227,11 +228,13 @@ def advice(
             "16 is the usual default."
         )
     dtypes = {d for pair in policy.layer_pairs(arch.num_layers) for d in pair}
+    few_levels = sorted(d for d in dtypes & set(ELEMENT_FORMATS) if ELEMENT_FORMATS[d].few_levels)
     coarse = policy.group_size == PER_TENSOR or policy.group_size >= 64
-    if "fp4" in dtypes and coarse:
+    if few_levels and coarse:
         notes.append(
-            f"FP4 with coarse scales (group_size={policy.group_size}) loses accuracy: use group "
-            "16-32, keep recent tokens unquantized, or FP8 for keys."
+            f"{', '.join(few_levels)} with coarse scales (group_size={policy.group_size}) loses "
+            "accuracy (few code levels): use group 16-32, keep recent tokens unquantized, or "
+            "FP8 for keys."
         )
     return notes
 

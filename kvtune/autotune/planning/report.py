@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtune.autotune.planning.capacity import CapacityPlan, CapacityRow
+from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES
 from kvtune.runtime.arch import GIB
 
 MIB = 1 << 20
@@ -19,7 +20,9 @@ def plan_json(plan: CapacityPlan) -> str:
 
 def _policy_label(row: CapacityRow) -> str:
     p = row.policy
-    scales = "" if p.k_dtype in ("auto", "fp16", "bf16") else f" g={p.group_size}/{p.scale_dtype}"
+    pairs = p.layer_dtypes or (f"{p.k_dtype}/{p.v_dtype}",)
+    quantized = any(d in QUANTIZED_DTYPES for pair in pairs for d in pair.split("/"))
+    scales = f" g={p.group_size}/{p.scale_dtype}" if quantized else ""
     if scales:
         keys = [f"K g={p.k_group_size}"] if p.k_group_size is not None else []
         keys += [f"K per {p.k_scale_axis}"] if p.k_scale_axis != "token" else []

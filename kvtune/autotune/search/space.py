@@ -23,6 +23,7 @@ from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES, ZERO_POINT_SCALE_
 from kvtune.kernels.formats.rotation import is_power_of_two
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_dtypes import most_precise_first
 from kvtune.runtime.policy import (
     BLOCK_SIZES,
     CSA_INDEX_DTYPES,
@@ -45,8 +46,6 @@ from kvtune.runtime.policy import (
 )
 
 ALL_LAYERS = "all"
-# Precision order for warm starts: the first present is the "uncompressed" choice.
-PRECISION_ORDER = ("auto", "bf16", "fp16", "int8", "fp8", "fp4", "int4", "int3", "int2")
 KNOB_NAMES = (
     "group_size",
     "scale_dtype",
@@ -355,13 +354,6 @@ class SearchConfig:
         return scalars * per_group**num_groups
 
 
-def _most_precise(dtypes: Sequence[str]) -> str:
-    """The first of PRECISION_ORDER present; dtypes outside it (the engines' own formats) come
-    after, by their place in KV_DTYPES."""
-    order = [*PRECISION_ORDER, *KV_DTYPES]
-    return min(dtypes, key=order.index)
-
-
 @dataclass(frozen=True)
 class SearchSpace:
     """A SearchConfig with its layer groups resolved: what a trial samples.
@@ -463,9 +455,11 @@ class SearchSpace:
         fixed["recent_unquantized"] = min(self.config.knobs["recent_unquantized"])
         depth = [sum(layers) / len(layers) for layers in self.groups]
         median_depth = sorted(depth)[len(depth) // 2] if len(depth) > 1 else math.inf
+        precise = tuple(
+            most_precise_first(d)[0] for d in (self.config.k_dtypes, self.config.v_dtypes)
+        )
         layouts = {
-            "baseline": [(_most_precise(self.config.k_dtypes), _most_precise(self.config.v_dtypes))]
-            * len(self.groups),
+            "baseline": [precise] * len(self.groups),
             "all-fp8": [("fp8", "fp8")] * len(self.groups),
             "fp4-shallow-fp8-deep": [
                 ("fp4", "fp4") if d < median_depth else ("fp8", "fp8") for d in depth

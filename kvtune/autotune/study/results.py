@@ -20,6 +20,7 @@ from kvtune.autotune.study.objectives import MAXIMIZE, METRICS
 from kvtune.autotune.study.optuna_study import FAILURE_ATTR, POLICY_ATTR, SURPLUS_ATTR, policy_key
 from kvtune.runtime.arch import GIB
 from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.kv_dtypes import KV_DTYPE_INFO, KV_DTYPES
 from kvtune.runtime.policy import KVPolicy
 
 PICKS = ("knee", "max_accuracy", "min_memory")
@@ -162,32 +163,22 @@ def pick_trial(
 
 def policy_columns(policy: KVPolicy | None, num_layers: int) -> dict[str, Any]:
     """A policy flattened for tables: scalar fields, the per-layer pairs as a compact string
-    (one K/V code pair a layer: a=auto h=fp16 b=bf16 8=fp8 4=fp4) and per-dtype layer counts."""
+    (one K/V pair of table codes a layer, e.g. "a" auto, "h" fp16, "8" fp8, "i4" int4: each
+    dtype's `table_code` in the format registry) and per-dtype layer counts."""
     if policy is None:
         return {}
     columns = {k: v for k, v in policy.to_dict().items() if k != "layer_dtypes"}
     if policy.layer_csa_topk is not None:
         columns["layer_csa_topk"] = " ".join(map(str, policy.layer_csa_topk))
     pairs = policy.layer_pairs(num_layers)
-    columns["layers"] = " ".join(f"{DTYPE_CODES[k]}{DTYPE_CODES[v]}" for k, v in pairs)
+    codes = {dtype: info.table_code for dtype, info in KV_DTYPE_INFO.items()}
+    columns["layers"] = " ".join(f"{codes[k]}{codes[v]}" for k, v in pairs)
     for side, index in (("k", 0), ("v", 1)):
-        for dtype in DTYPE_CODES:
+        for dtype in KV_DTYPES:
             count = sum(pair[index] == dtype for pair in pairs)
             if count:
                 columns[f"{side}_{dtype}_layers"] = count
     return columns
-
-
-DTYPE_CODES = {
-    "auto": "a",
-    "fp16": "h",
-    "bf16": "b",
-    "fp8": "8",
-    "fp4": "4",
-    "int8": "i8",
-    "int4": "i4",
-    "int2": "i2",
-}
 
 
 def write_trials_csv(

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtune.kernels.formats import element_formats
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.kernels.formats.quantize import (
     check_kernel_format,
@@ -133,14 +132,9 @@ def read_blocks_ref(pool: KVPool, table: torch.Tensor) -> torch.Tensor:
 
 def _scaled_codes(pool: KVPool) -> bool:
     """Whether pool stores element code * group scale (+ zero point), which
-    `read_blocks_into` decodes itself (Lloyd and zero-in-scale codes decode otherwise:
+    `read_blocks_into` decodes itself (formats without affine_decode decode otherwise:
     `kvtune.kernels.formats.quantize.dequantize_ref`)."""
-    fmt = pool.fmt
-    return (
-        pool.scales is not None
-        and fmt.element.family != element_formats.CODE_LLOYD
-        and fmt.dtype != "int4_zp_in_scale"
-    )
+    return pool.scales is not None and pool.fmt.element.affine_decode
 
 
 def read_blocks_into(pool: KVPool, table: torch.Tensor, out: torch.Tensor) -> None:

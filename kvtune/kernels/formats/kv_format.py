@@ -13,12 +13,13 @@ import torch
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS, ElementFormat
 from kvtune.kernels.formats.scale_formats import SCALE_FORMATS, ScaleFormat
 
-QUANTIZED_DTYPES: tuple[str, ...] = tuple(ELEMENT_FORMATS)
-ELEMENT_BITS: dict[str, int] = {
-    "fp32": 32,
-    "fp16": 16,
-    "bf16": 16,
-    **{name: element.bits for name, element in ELEMENT_FORMATS.items()},
+QUANTIZED_DTYPES: tuple[str, ...] = tuple(
+    name for name, element in ELEMENT_FORMATS.items() if element.quantized
+)
+ELEMENT_BITS: dict[str, int] = {name: element.bits for name, element in ELEMENT_FORMATS.items()}
+# The unquantized formats' torch dtypes: the compute dtypes a model runs in.
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    name: element.torch_dtype for name, element in ELEMENT_FORMATS.items() if not element.quantized
 }
 SCALE_BYTES: dict[str, int] = {name: scale.nbytes for name, scale in SCALE_FORMATS.items()}
 # Scale dtypes that can hold a zero point (an E4M3 code has no room for a signed offset).
@@ -29,28 +30,17 @@ ZERO_POINT_SCALE_DTYPES: tuple[str, ...] = tuple(
 # (runtime.calibration), or 1 (what vLLM and SGLang use when the checkpoint carries no
 # k_scale / v_scale).
 TENSOR_SCALES: tuple[str, ...] = ("calibrated", "unit")
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
 
 
 @dataclass(frozen=True)
 class KVFormat:
     """Storage format of one K or V stream.
 
-    dtype: fp32 | fp16 | bf16 (stored as is), fp8 (E4M3) | fp4 (E2M1, two codes a byte:
-        element 2i in the low nibble, element 2i+1 in the high nibble), fp4_ties_away (the same
-        codes rounded with halfway values away from zero, SGLang's), fp4_4over6 (E2M1 codes,
-        each group scaled by amax / 6 or amax / 4, whichever reconstructs it better: vLLM's
-        nvfp4_4over6; needs a group_size), int4_zp_in_scale (vLLM's int4_per_token_head codes:
-        an integer zero point in the low bits of each fp32 group scale; needs scale_dtype fp32),
-        the asymmetric uniform int8 | int4 | int3 | int2 (unsigned codes packed in one bit stream
-        per vector, a scale and a zero point per group), vLLM TurboQuant's int4_tq | int3_tq
-        (value codes: coded from the fp32 range, halves up, fp16 scale and zero point) and
-        lloyd4 | lloyd3 (key codes: Lloyd-Max levels of the unit vector with its fp16 norm;
-        group_size must be head_dim); see `kvtune.kernels.formats.element_formats`.
+    dtype: a registered element format (`kvtune.kernels.formats.element_formats`): fp32, fp16 or
+        bf16 (stored as is), or a quantized code such as fp8 (E4M3), fp4 (E2M1, two codes a
+        byte: element 2i in the low nibble, element 2i+1 in the high nibble) or int4
+        (asymmetric uniform, a scale and a zero point per group); its entry says which scale
+        dtype and grouping it needs.
     group_size: elements along head_dim sharing one scale (and zero point); None means one fp32
         scale for the whole tensor (per layer and per K/V, as vLLM's fp8 cache), which the
         integer formats refuse: they need a zero point per group. Ignored when unquantized.
@@ -77,8 +67,8 @@ class KVFormat:
     tensor_scale: str = "calibrated"
 
     def __post_init__(self) -> None:
-        if self.dtype not in ELEMENT_BITS:
-            raise ValueError(f"dtype={self.dtype!r}: allowed {sorted(ELEMENT_BITS)}")
+        if self.dtype not in ELEMENT_FORMATS:
+            raise ValueError(f"dtype={self.dtype!r}: allowed {list(ELEMENT_FORMATS)}")
         if self.tensor_scale not in TENSOR_SCALES:
             raise ValueError(f"tensor_scale={self.tensor_scale!r}: allowed {list(TENSOR_SCALES)}")
         if self.scale_dtype not in SCALE_BYTES:
@@ -120,11 +110,11 @@ class KVFormat:
 
     @property
     def quantized(self) -> bool:
-        return self.dtype in QUANTIZED_DTYPES
+        return self.element.quantized
 
     @property
     def element(self) -> ElementFormat:
-        """The registered element code of a quantized format."""
+        """The registered element format."""
         return ELEMENT_FORMATS[self.dtype]
 
     @property
@@ -139,7 +129,7 @@ class KVFormat:
 
     def check_head_dim(self, head_dim: int) -> None:
         """Raise if this format cannot store vectors of head_dim elements."""
-        chunk = self.element.chunk if self.quantized else 1
+        chunk = self.element.chunk
         if head_dim % chunk:
             raise ValueError(
                 f"head_dim={head_dim}: {self.dtype} packs {chunk} codes into whole bytes, "
@@ -155,7 +145,7 @@ class KVFormat:
 
     def code_bytes(self, head_dim: int) -> int:
         """Bytes of element codes for one vector of head_dim elements."""
-        return head_dim * ELEMENT_BITS[self.dtype] // 8
+        return head_dim * self.element.bits // 8
 
     def scales_per_vector(self, head_dim: int) -> int:
         """Entries of the scales buffer for one vector: its group scales, and as many zero points
@@ -189,7 +179,7 @@ class KVFormat:
 
     @property
     def code_torch_dtype(self) -> torch.dtype:
-        return torch.uint8 if self.quantized else TORCH_DTYPES[self.dtype]
+        return self.element.torch_dtype
 
     @property
     def scale_format(self) -> ScaleFormat:

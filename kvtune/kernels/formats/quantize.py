@@ -1,8 +1,8 @@
 """Per-group quantization of K/V vectors to a `KVFormat`: Triton device helpers, launchers and
 torch references.
 
-One rule for every symmetric format (fp8, fp4, fp4_ties_away, fp4_4over6, int8_symmetric), in
-"tensor-scaled units" x_t = x / tensor_scale:
+One rule for every symmetric format (E4M3, E2M1 and symmetric int8 codes), in "tensor-scaled
+units" x_t = x / tensor_scale:
 
     group scale s_g = decode(encode(max(amax_g(|x_t|) / max_code, floor)))   (scale dtype)
     code            = encode(x_t / s_g), or encode(x_t * fp32(1 / s_g))     (0 when s_g == 0)
@@ -15,7 +15,7 @@ where the scale dtype (`kvtune.kernels.formats.scale_formats`: fp16, E4M3, fp32,
 floor, the rounding of the scale and whether elements are multiplied by its reciprocal (fp32, as
 vLLM's per-token-head kernels do),
 
-and one for the asymmetric uniform formats (int8, int4, int2; max_code = 2^bits - 1, fp16 only):
+and one for the asymmetric uniform formats (int8, int4, ...; max_code = 2^bits - 1, fp16 only):
 
     zero point z_g  = fp16(min_g(x_t))
     group scale s_g = fp16(max(max_g(x_t) - z_g, 0) / max_code)
@@ -52,6 +52,15 @@ format. SCALE_DTYPE carries the scale dtype's SCALE code (`kvtune.kernels.format
 fp16, 1 e4m3, 2 fp32, 3 ue8m0); it keeps the name it had when e4m3 was the only alternative, so the
 kernels that pass it through need no change. A format with a zero point keeps it in the scales
 buffer, after the vector's group scales, so the helpers need no extra pointer.
+
+Where a format plugs in: the CODE switches of `load_dequant_tile`, `_group_parameters`,
+`_store_codes` and `_to_code_units`, with their torch references `_quantize_groups_ref` and
+`dequantize_ref`, are the one place the kernels name code families (the CODE constants of
+`kvtune.kernels.formats.element_formats`). A format of a new family adds its branch to each,
+calling the Triton helpers and references of its own codes module; another bit width of an
+existing family (CODE_UINT, CODE_UINT_HALF_UP or CODE_LLOYD + bits) adds none. Every other
+property a kernel needs (bits, max_code, zero_point, ...) is read from the registry entry
+through `code_property`.
 
 Token-grouped formats (TOKEN_GROUP > 1, e.g. per-channel key scales over a block) share one row
 of scales among TOKEN_GROUP consecutive rows: a group is the group_size elements of a channel
@@ -135,7 +144,7 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     consecutive rows sharing a row of scales.
     """
     return {
-        f"{prefix}CODE": fmt.element.code if fmt.quantized else CODE_FLOAT.value,
+        f"{prefix}CODE": fmt.element.code,
         f"{prefix}GROUP_SIZE": fmt.group_size or 0,
         f"{prefix}SCALE_DTYPE": fmt.scale_format.code if fmt.quantized else 0,
         f"{prefix}TOKEN_GROUP": fmt.token_group,
@@ -749,7 +758,7 @@ def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Te
     """Groups [..., G, n] in tensor-scaled units -> (the same in code units, stored scales
     [..., G] or [..., 2G] with the zero points after the scales)."""
     family = fmt.element.family
-    if fmt.dtype == "int4_zp_in_scale":
+    if family == element_formats.CODE_INT4_ZERO_IN_SCALE:
         scale, zero, scales = zero_in_scale_parameters_ref(grouped.amin(-1), grouped.amax(-1))
         return zero_in_scale_units_ref(grouped, scale[..., None], zero[..., None]), scales
     if family == element_formats.CODE_LLOYD:
@@ -817,12 +826,13 @@ def dequantize_ref(
     if not fmt.quantized:
         return codes.to(out_dtype)
     values = fmt.element.decode(codes)
-    if fmt.element.family == element_formats.CODE_LLOYD:
+    family = fmt.element.family
+    if family == element_formats.CODE_LLOYD:
         levels = decode_lloyd_ref(values.to(torch.uint8), fmt.element.bits, fmt.group_size)
         grouped = levels.unflatten(-1, (head_dim // fmt.group_size, -1))
         norms = _group_norms_ref(grouped)[..., None]
         values = (grouped / torch.where(norms == 0, 1.0, norms)).flatten(-2)
-    if scales is not None and fmt.dtype == "int4_zp_in_scale":
+    if scales is not None and family == element_formats.CODE_INT4_ZERO_IN_SCALE:
         scale, zero = split_scale_word_ref(scales)
         values = (values.unflatten(-1, (scale.shape[-1], -1)) - zero[..., None]) * scale[..., None]
         values = values.flatten(-2)

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kvtune.kernels.formats.fp_codes import (
+    E4M3_MAX,
     decode_e4m3,
     decode_e4m3_fast,
     encode_e4m3,
@@ -56,6 +57,9 @@ class ScaleFormat:
     floor: smallest exact scale (0: none). reciprocal: elements are multiplied by the fp32
     reciprocal of the scale instead of divided by it.
     encode: exact fp32 scales -> stored (torch). decode: stored -> fp32 scales (torch).
+    relative_max: the largest stored scale, where the range is so narrow that group scales are
+        kept relative to the stream's fp32 tensor scale, which calibration sets so that they fit
+        (E4M3: 448, NVFP4's two-level scaling); None: a scale holds its group's own magnitude.
     """
 
     code: int
@@ -66,6 +70,7 @@ class ScaleFormat:
     reciprocal: bool
     encode: Callable[[torch.Tensor], torch.Tensor]
     decode: Callable[[torch.Tensor], torch.Tensor]
+    relative_max: float | None = None
 
 
 def encode_ue8m0_ref(exact: torch.Tensor) -> torch.Tensor:
@@ -93,7 +98,15 @@ def _to_fp32(scales: torch.Tensor) -> torch.Tensor:
 SCALE_FORMATS: dict[str, ScaleFormat] = {
     "fp16": ScaleFormat(SCALE_FP16.value, 2, torch.float16, True, 0.0, False, _to_fp16, _to_fp32),
     "e4m3": ScaleFormat(
-        SCALE_DTYPE.value, 1, torch.uint8, False, 0.0, False, encode_e4m3_fast, decode_e4m3_fast
+        SCALE_DTYPE.value,
+        1,
+        torch.uint8,
+        False,
+        0.0,
+        False,
+        encode_e4m3_fast,
+        decode_e4m3_fast,
+        relative_max=E4M3_MAX,
     ),
     "fp32": ScaleFormat(SCALE_FP32.value, 4, torch.float32, False, 1e-6, True, _to_fp32, _to_fp32),
     "ue8m0": ScaleFormat(
