@@ -162,7 +162,7 @@ fi
 
 # --- embedded model: issue 13's selection decode, retention A/B ----------------------------------
 # On the GPU, fp32 `ieee` dots run on the CUDA cores, 20-130x slower than tf32 in attention
-# (RESULTS.md, 2026-12-04), so the timed parts use `triton_tf32`; retention compares both.
+# (RESULTS.md, "Kernels on an H200"), so the timed parts use `triton_tf32`; retention compares both.
 model=1 measured=1 # measured: the model and the study's packages (selection, retention, study)
 if ! have gguf || ! model_ready; then
     note "selection decode, retention, serving, study: skipped, the embedded model is not" \

@@ -7,8 +7,8 @@ questions, or per token over a perplexity document. If the gold answer were draw
 baseline's distribution, this is what the teacher-forced log-likelihood ratio of the gold
 answer averages to; using the expectation instead of the one drawn answer removes the noise of
 which token happens to be gold, the term that dominates near the top of the front. Measured on
-the quick suite (benchmarks/eval_signals.py, RESULTS.md): fp8 g32 and K fp8 / V fp4 g32
-differ by 0.032 ± 0.007 in this retention, by 0.024 ± 0.040 in the gold answer's probability
+the quick suite (benchmarks/eval_signals.py, RESULTS.md "Accuracy signals"): fp8 g32 and K fp8 / V
+fp4 g32 differ by 0.032 ± 0.007 in this retention, by 0.024 ± 0.040 in the gold answer's probability
 and by -0.015 ± 0.037 in its log-likelihood. It cannot exceed 1: a policy that moves
 probability onto the gold answer by chance is not better, only different.
 

@@ -8,7 +8,8 @@ one preallocated buffer in the layout SDPA reads (`kvtune.kernels.cache.pool.rea
 mask is built only where something must be hidden: a stream whose sequences all end at one
 length (any stream of a batch of one) is cut there and the next stream is written over the
 rows past it; rows past unequal lengths are zeroed by index. Timings against the paths this
-replaced: benchmarks/RESULTS.md, stop 36.
+replaced: `git show c6e261c:benchmarks/RESULTS.md`, stop 36; today's decode ratios:
+benchmarks/RESULTS.md, "CSA pooling and selection".
 """
 
 from __future__ import annotations

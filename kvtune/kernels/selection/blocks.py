@@ -15,8 +15,8 @@ Three indexes:
   bound's bytes; q.mean is the mean logit the block's keys get. On SmolLM2 it ranks blocks by
   the attention mass they draw better than the bound does (`benchmarks.selection_scoring`),
   but a mean dilutes the one token that retrieval reads next: end to end it loses multikey
-  and codes (benchmarks/RESULTS.md), so bounds stay the default. A query head group scores a
-  block by the largest q.mean of its query heads.
+  and codes (RESULTS.md, "Block-scoring rules"), so bounds stay the default. A query head group
+  scores a block by the largest q.mean of its query heads.
 - summaries (NSA's compressed branch): the block's pooled keys. Each query head's softmax over
   all summaries it sees, summed over the block's summaries and the KV head's query heads. No
   extra bytes, but the mean of r keys dilutes the one key a query looks for.
