@@ -6,8 +6,9 @@ A source is one policy with a name that says where it came from, so a failing te
 - warm starts: `SearchSpace.warm_starts()` of each space;
 - presets: conf/policy/default.yaml and every engine preset (`engine_presets`);
 - formats: one policy per dtype that the policy accepts (`KV_DTYPES`) or the format registry
-  lists (`ELEMENT_FORMATS`), on K and on V, with the group size and scale dtype its registry
-  record asks for, so a format no space draws (int2, bf16, lloyd2, the next one) is covered.
+  lists as a cache choice (`ELEMENT_FORMATS`), on K and on V, with the group size and scale
+  dtype its registry record asks for, so a format no space draws (int2, bf16, lloyd2, the next
+  one) is covered.
 
 Layer groups come from a sensitivity profile, which needs a model run; here a space's groups are
 contiguous runs of layers, as many as the space asks for. The grouping moves a draw's dtypes to
@@ -156,9 +157,11 @@ def preset_sources() -> list[PolicySource]:
 
 
 def format_dtypes() -> list[str]:
-    """Every dtype the policy accepts and every registered element format (read when called,
-    so a format added to the registry is listed)."""
-    return list(dict.fromkeys([*KV_DTYPES, *ELEMENT_FORMATS]))
+    """Every dtype the policy accepts and every registered element format a policy may name
+    (read when called, so a format added to the registry is listed; fp32 is registered only as
+    what `auto` stores for an fp32 model)."""
+    choices = [name for name, element in ELEMENT_FORMATS.items() if element.cache_choice]
+    return list(dict.fromkeys([*KV_DTYPES, *choices]))
 
 
 def format_fields(dtype: str, stream: str) -> dict[str, Any]:

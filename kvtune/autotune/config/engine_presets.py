@@ -9,6 +9,7 @@ under the preset file, with the model's head_dim for the per-token-head presets'
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -26,6 +27,13 @@ def preset_names() -> list[str]:
 
 def engine_presets(head_dim: int) -> dict[str, KVPolicy]:
     """Every preset as "<engine>/<dtype>" -> its policy for a model of this head_dim."""
+    return dict(_composed_presets(head_dim))
+
+
+@functools.cache
+def _composed_presets(head_dim: int) -> tuple[tuple[str, KVPolicy], ...]:
+    """The presets composed once a process and head_dim: every export asks which preset stores
+    a trial's cache, and composing 13 files with OmegaConf each time cost most of an export."""
     default = OmegaConf.load(POLICY_DIR / "default.yaml")
     presets = {}
     for engine in ENGINES:
@@ -37,4 +45,4 @@ def engine_presets(head_dim: int) -> dict[str, KVPolicy]:
             )
             data = OmegaConf.to_container(root.policy, resolve=True)
             presets[f"{engine}/{path.stem}"] = KVPolicy.from_dict(data)
-    return presets
+    return tuple(presets.items())
