@@ -23,7 +23,7 @@ from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES, ZERO_POINT_SCALE_
 from kvtune.kernels.formats.rotation import is_power_of_two
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
-from kvtune.runtime.kv_dtypes import most_precise_first
+from kvtune.runtime.kv_dtypes import KV_DTYPES, most_precise_first
 from kvtune.runtime.policy import (
     BLOCK_SIZES,
     CSA_INDEX_DTYPES,
@@ -34,7 +34,6 @@ from kvtune.runtime.policy import (
     K_SCALE_AXES,
     KEEP_FRACTIONS,
     KEEP_GROUP,
-    KV_DTYPES,
     NO_ROTATION,
     NO_SUMMARY,
     PER_TENSOR,

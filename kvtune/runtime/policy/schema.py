@@ -1,7 +1,9 @@
 """KVPolicy: the tunable KV-cache settings, validated once for every entry point.
 
 The CLI, the runtime, the tuner and the exporter all build a KVPolicy, so a bad value is refused
-with the same one-line message everywhere, before any model is loaded.
+with the same one-line message everywhere, before any model is loaded. The class holds the
+fields, their validation and their dict/YAML form; per-layer expansion (layers.py) and storage
+formats (storage.py) are reached through its methods.
 """
 
 from __future__ import annotations
@@ -13,133 +15,39 @@ from typing import Any
 
 import yaml
 
-from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
-from kvtune.kernels.formats.kv_format import (
-    QUANTIZED_DTYPES,
-    TENSOR_SCALES,
-    ZERO_POINT_SCALE_DTYPES,
-    KVFormat,
-)
-from kvtune.kernels.formats.rotation import POWER_OF_TWO_ROTATIONS, ROTATIONS, is_power_of_two
-from kvtune.kernels.formats.scale_formats import SCALE_FORMATS
+from kvtune.kernels.formats.kv_format import TENSOR_SCALES, ZERO_POINT_SCALE_DTYPES, KVFormat
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
-from kvtune.runtime.kv_dtypes import AUTO, KV_DTYPES
-
-# Asymmetric formats: a zero point beside each group scale (no per-tensor form, no E4M3 scales).
-ZERO_POINT_DTYPES: tuple[str, ...] = tuple(
-    name for name, element in ELEMENT_FORMATS.items() if element.zero_point
+from kvtune.runtime.policy import layers, storage
+from kvtune.runtime.policy.fields import (
+    check_dtype,
+    check_int,
+    field_name,
+    normalised_group_size,
 )
-# Formats that keep something per group (a zero point, a chosen scale, a scale word of a fixed
-# dtype), so no per-tensor form.
-GROUPED_DTYPES: tuple[str, ...] = tuple(
-    name
-    for name, element in ELEMENT_FORMATS.items()
-    if element.zero_point or element.alt_max_code or element.scale_dtype
-)
-FIXED_SCALE_DTYPES: dict[str, str] = {
-    name: element.scale_dtype
-    for name, element in ELEMENT_FORMATS.items()
-    if element.scale_dtype is not None
-}
-# Formats whose one group is a whole vector (group_size = head_dim).
-WHOLE_VECTOR_DTYPES: tuple[str, ...] = tuple(
-    name for name, element in ELEMENT_FORMATS.items() if element.whole_vector
-)
-SCALE_DTYPES: tuple[str, ...] = tuple(SCALE_FORMATS)
-ROTATION_NAMES: tuple[str, ...] = tuple(ROTATIONS)
-NO_ROTATION = "none"
-BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
-K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
-PER_TENSOR = "tensor"
-# What the boundary layers cache (boundary_layers).
-BOUNDARY_PAIR = ("fp16", "fp16")
-# How keys are pooled into a CSA summary: turned to the group's centre first (pre_rope, as if
-# pooled before RoPE; kvtune/kernels/cache/rope_align.py), or averaged as cached (post_rope, the
-# old way); none: no summaries, an older block a query does not select is skipped (Quest).
-NO_SUMMARY = "none"
-CSA_SUMMARIES: tuple[str, ...] = ("pre_rope", "post_rope", NO_SUMMARY)
-# What scores older blocks for selection: Quest-style per-channel key bounds of each block (one
-# slot a block: the max in K, the min in V), the mean of its cached keys (one K slot a block;
-# q.mean is the block's mean logit, which dilutes the one token retrieval needs), or its
-# summaries (no extra bytes, but a mean dilutes that token too).
-CSA_INDEXES: tuple[str, ...] = ("bounds", "means", "summaries")
-# The indexes kept one slot a block in an index pool of their own (written as blocks leave the
-# window), which let selection run without summaries.
-POOLED_INDEXES: tuple[str, ...] = ("bounds", "means")
-# Where key bounds are kept: auto, in the layer's own K and V formats and its rotated space; or a
-# separate index pool in the model's own basis (where RoPE's outlier channels make Quest's bound
-# sharp) in one of these dtypes, whatever the layer's formats (so per-channel keys, which are
-# quantized a whole block at a time, can sit beside selection).
-INDEX_IN_LAYER_FORMAT = "auto"
-# A quantized separate index keeps groups of INDEX_GROUP channels with fp16 scales (bounds in
-# the model's basis keep RoPE's outlier channels, which one scale a vector would flatten), so
-# any policy dtype whose codes take such groups can hold it.
-INDEX_GROUP = 32
-INDEX_SCALE_DTYPE = "fp16"
-CSA_INDEX_DTYPES: tuple[str, ...] = (
+from kvtune.runtime.policy.layers import parse_layer_pair
+from kvtune.runtime.policy.vocabulary import (
+    BLOCK_SIZES,
+    CSA_INDEX_DTYPES,
+    CSA_INDEXES,
+    CSA_STAGINGS,
+    CSA_SUMMARIES,
+    FIXED_SCALE_DTYPES,
+    GROUPED_DTYPES,
     INDEX_IN_LAYER_FORMAT,
-    *(
-        name
-        for name in KV_DTYPES
-        if name != AUTO
-        and not ELEMENT_FORMATS[name].whole_vector
-        and ELEMENT_FORMATS[name].scale_dtype in (None, INDEX_SCALE_DTYPE)
-    ),
+    K_SCALE_AXES,
+    KEEP_FRACTIONS,
+    KEEP_GROUP,
+    NO_ROTATION,
+    NO_SUMMARY,
+    PER_TENSOR,
+    POOLED_INDEXES,
+    RESIDENT_STAGING,
+    ROTATION_NAMES,
+    SCALE_DTYPES,
+    WHOLE_VECTOR_DTYPES,
+    ZERO_POINT_DTYPES,
 )
-# Where decode puts the blocks it fetches from the host tier: resident (each layer keeps its own
-# staging blocks, so a block chosen again next step is not fetched again) or streamed (one
-# staging pool shared by the layers in turn, as ShadowKV and InfiniGen fetch a layer at a time:
-# a layer's selection is fetched every step, for 1 / num_layers of the device bytes).
-RESIDENT_STAGING = "resident"
-CSA_STAGINGS: tuple[str, ...] = (RESIDENT_STAGING, "streamed")
-# Older blocks are kept by importance in groups of this many consecutive blocks: csa_keep of
-# each group stays exact, decided when the group's first block leaves the window.
-KEEP_GROUP = 8
-KEEP_FRACTIONS: tuple[float, ...] = tuple(i / KEEP_GROUP for i in range(KEEP_GROUP))
-
-
-def _field(name: str) -> str:
-    return f"policy.{name}"
-
-
-def _normalised_group_size(name: str, value: object) -> int | str:
-    """A group size as an int (digits accepted) or "tensor"."""
-    original = value
-    if isinstance(value, str) and value.strip().isdigit():
-        value = int(value)
-    if value == PER_TENSOR:
-        return PER_TENSOR
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(
-            _field(name), original, f'a positive integer dividing head_dim, or "{PER_TENSOR}"'
-        )
-    return value
-
-
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(_field(name), value, f"an integer >= {minimum}")
-    return value
-
-
-def _check_dtype(name: str, value: object) -> str:
-    if value not in KV_DTYPES:
-        raise ConfigError(_field(name), value, f"one of {', '.join(KV_DTYPES)}")
-    return str(value)
-
-
-def _parse_layer_pair(index: int, pair: object) -> str:
-    """Normalise one per-layer entry "K/V" (for example "fp8/fp4")."""
-    name = f"layer_dtypes[{index}]"
-    parts = pair.split("/") if isinstance(pair, str) else []
-    if len(parts) != 2:
-        raise ConfigError(_field(name), pair, 'a "K/V" pair such as "fp8/fp4"')
-    k_dtype, v_dtype = (part.strip() for part in parts)
-    for dtype in (k_dtype, v_dtype):
-        if dtype not in KV_DTYPES:
-            raise ConfigError(_field(name), pair, f"K and V each one of {', '.join(KV_DTYPES)}")
-    return f"{k_dtype}/{v_dtype}"
 
 
 @dataclass(frozen=True)
@@ -254,41 +162,41 @@ class KVPolicy:
     boundary_layers: int = 0
 
     def __post_init__(self) -> None:
-        _check_dtype("k_dtype", self.k_dtype)
-        _check_dtype("v_dtype", self.v_dtype)
+        check_dtype("k_dtype", self.k_dtype)
+        check_dtype("v_dtype", self.v_dtype)
         if self.layer_dtypes is not None:
             if isinstance(self.layer_dtypes, str) or not isinstance(self.layer_dtypes, Sequence):
                 raise ConfigError(
-                    _field("layer_dtypes"), self.layer_dtypes, 'a list of "K/V" pairs, or null'
+                    field_name("layer_dtypes"), self.layer_dtypes, 'a list of "K/V" pairs, or null'
                 )
-            pairs = tuple(_parse_layer_pair(i, p) for i, p in enumerate(self.layer_dtypes))
+            pairs = tuple(parse_layer_pair(i, p) for i, p in enumerate(self.layer_dtypes))
             object.__setattr__(self, "layer_dtypes", pairs or None)
-        object.__setattr__(
-            self, "group_size", _normalised_group_size("group_size", self.group_size)
-        )
+        object.__setattr__(self, "group_size", normalised_group_size("group_size", self.group_size))
         if self.k_group_size is not None:
-            k_group = _normalised_group_size("k_group_size", self.k_group_size)
+            k_group = normalised_group_size("k_group_size", self.k_group_size)
             object.__setattr__(self, "k_group_size", k_group)
-        _check_int("boundary_layers", self.boundary_layers, 0)
+        check_int("boundary_layers", self.boundary_layers, 0)
         if self.scale_dtype not in SCALE_DTYPES:
             raise ConfigError(
-                _field("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
+                field_name("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
             )
         if self.k_scale_axis not in K_SCALE_AXES:
             raise ConfigError(
-                _field("k_scale_axis"), self.k_scale_axis, f"one of {', '.join(K_SCALE_AXES)}"
+                field_name("k_scale_axis"), self.k_scale_axis, f"one of {', '.join(K_SCALE_AXES)}"
             )
-        _check_int("recent_unquantized", self.recent_unquantized, 0)
-        _check_int("csa_window", self.csa_window, 0)
-        _check_int("csa_sinks", self.csa_sinks, 0)
+        check_int("recent_unquantized", self.recent_unquantized, 0)
+        check_int("csa_window", self.csa_window, 0)
+        check_int("csa_sinks", self.csa_sinks, 0)
         if self.block_size not in BLOCK_SIZES or isinstance(self.block_size, bool):
             raise ConfigError(
-                _field("block_size"), self.block_size, f"one of {', '.join(map(str, BLOCK_SIZES))}"
+                field_name("block_size"),
+                self.block_size,
+                f"one of {', '.join(map(str, BLOCK_SIZES))}",
             )
-        _check_int("chunk_size", self.chunk_size, 1)
+        check_int("chunk_size", self.chunk_size, 1)
         if self.chunk_size % self.block_size:
             raise ConfigError(
-                _field("chunk_size"),
+                field_name("chunk_size"),
                 self.chunk_size,
                 f"a multiple of block_size={self.block_size} (pages must stay aligned)",
             )
@@ -296,15 +204,15 @@ class KVPolicy:
         self._check_integer_formats()
         if self.rotation not in ROTATION_NAMES:
             raise ConfigError(
-                _field("rotation"), self.rotation, f"one of {', '.join(ROTATION_NAMES)}"
+                field_name("rotation"), self.rotation, f"one of {', '.join(ROTATION_NAMES)}"
             )
         if self.tensor_scale not in TENSOR_SCALES:
             raise ConfigError(
-                _field("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
+                field_name("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
             )
 
     @property
-    def _key_group_field(self) -> str:
+    def key_group_field(self) -> str:
         """The field that sets the keys' group size, for error messages."""
         return "group_size" if self.k_group_size is None else "k_group_size"
 
@@ -323,18 +231,18 @@ class KVPolicy:
         grouped_keys = set() if self.k_scale_axis == "channel" else keys
         for name, group, dtypes in (
             ("group_size", self.group_size, values),
-            (self._key_group_field, self.key_group_size, grouped_keys),
+            (self.key_group_field, self.key_group_size, grouped_keys),
         ):
             needing = sorted(dtypes & set(GROUPED_DTYPES))
             if group == PER_TENSOR and needing:
                 raise ConfigError(
-                    _field(name),
+                    field_name(name),
                     group,
                     f"a positive integer with {', '.join(needing)} (scales per group)",
                 )
         if integer and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
             raise ConfigError(
-                _field("scale_dtype"),
+                field_name("scale_dtype"),
                 self.scale_dtype,
                 f"one of {', '.join(ZERO_POINT_SCALE_DTYPES)} with {', '.join(integer)} "
                 "(zero points are stored in the scale dtype)",
@@ -343,14 +251,14 @@ class KVPolicy:
             needed = FIXED_SCALE_DTYPES[dtype]
             if self.scale_dtype != needed:
                 raise ConfigError(
-                    _field("scale_dtype"),
+                    field_name("scale_dtype"),
                     self.scale_dtype,
                     f"{needed} with {dtype} (the format's own scale words)",
                 )
         whole = sorted(keys & set(WHOLE_VECTOR_DTYPES))
         if whole and self.k_scale_axis == "channel":
             raise ConfigError(
-                _field("k_scale_axis"),
+                field_name("k_scale_axis"),
                 self.k_scale_axis,
                 f"token with {', '.join(whole)} keys (its codes cover one whole vector)",
             )
@@ -360,19 +268,19 @@ class KVPolicy:
         ratios = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= self.block_size]
         if ratio not in ratios or isinstance(ratio, bool):
             raise ConfigError(
-                _field("csa_ratio"),
+                field_name("csa_ratio"),
                 ratio,
                 f"a power of two up to block_size={self.block_size}: {', '.join(map(str, ratios))}",
             )
         if self.csa_summary not in CSA_SUMMARIES:
             raise ConfigError(
-                _field("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
+                field_name("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
             )
         self._check_selection()
         channel = self.k_scale_axis == "channel"
         if ratio > 1 and channel and (self.summarises or not self.separate_index):
             raise ConfigError(
-                _field("k_scale_axis"),
+                field_name("k_scale_axis"),
                 self.k_scale_axis,
                 "token when csa_ratio > 1, unless csa_summary is none with a csa_index_dtype "
                 "other than auto (summaries and in-pool key bounds are written one vector at a "
@@ -381,7 +289,7 @@ class KVPolicy:
         self._check_keep()
         if ratio > 1 and self.csa_window < self.block_size:
             raise ConfigError(
-                _field("csa_window"),
+                field_name("csa_window"),
                 self.csa_window,
                 f">= block_size={self.block_size} when csa_ratio > 1 "
                 "(whole blocks leave the window)",
@@ -390,23 +298,23 @@ class KVPolicy:
     def _check_selection(self) -> None:
         """Selection reads exact older blocks, which only the host tier keeps, and the tier
         is read only by selection."""
-        _check_int("csa_topk", self.csa_topk, 0)
+        check_int("csa_topk", self.csa_topk, 0)
         self._normalise_layer_topk()
         if self.csa_index not in CSA_INDEXES:
             raise ConfigError(
-                _field("csa_index"), self.csa_index, f"one of {', '.join(CSA_INDEXES)}"
+                field_name("csa_index"), self.csa_index, f"one of {', '.join(CSA_INDEXES)}"
             )
         if not isinstance(self.csa_host, bool):
-            raise ConfigError(_field("csa_host"), self.csa_host, "true or false")
+            raise ConfigError(field_name("csa_host"), self.csa_host, "true or false")
         if self.csa_index_dtype not in CSA_INDEX_DTYPES:
             raise ConfigError(
-                _field("csa_index_dtype"),
+                field_name("csa_index_dtype"),
                 self.csa_index_dtype,
                 f"one of {', '.join(CSA_INDEX_DTYPES)}",
             )
         if self.csa_index_dtype != INDEX_IN_LAYER_FORMAT and not self.pooled_index:
             raise ConfigError(
-                _field("csa_index_dtype"),
+                field_name("csa_index_dtype"),
                 self.csa_index_dtype,
                 f"{INDEX_IN_LAYER_FORMAT} unless csa_topk > 0 with csa_index "
                 f"{' or '.join(POOLED_INDEXES)} (it stores the bounds or means selection scores)",
@@ -414,14 +322,14 @@ class KVPolicy:
         if self.csa_topk and self.csa_ratio == 1:
             budgets = self.layer_csa_topk
             raise ConfigError(
-                _field("csa_topk" if budgets is None else "layer_csa_topk"),
+                field_name("csa_topk" if budgets is None else "layer_csa_topk"),
                 self.csa_topk if budgets is None else list(budgets),
                 f"{0 if budgets is None else 'null'} when csa_ratio is 1 (selection picks among "
                 "compressed blocks)",
             )
         if self.csa_summary == NO_SUMMARY and not self.pooled_index:
             raise ConfigError(
-                _field("csa_summary"),
+                field_name("csa_summary"),
                 self.csa_summary,
                 f"pre_rope or post_rope unless csa_topk > 0 with csa_index "
                 f"{' or '.join(POOLED_INDEXES)} (without summaries, only selection on an index "
@@ -429,21 +337,21 @@ class KVPolicy:
             )
         if self.csa_topk and not self.csa_host:
             raise ConfigError(
-                _field("csa_host"),
+                field_name("csa_host"),
                 self.csa_host,
                 "true when csa_topk > 0 (the selected exact blocks live in the host tier)",
             )
         if self.csa_staging not in CSA_STAGINGS:
             raise ConfigError(
-                _field("csa_staging"), self.csa_staging, f"one of {', '.join(CSA_STAGINGS)}"
+                field_name("csa_staging"), self.csa_staging, f"one of {', '.join(CSA_STAGINGS)}"
             )
         if self.csa_staging != RESIDENT_STAGING and not self.csa_topk:
             raise ConfigError(
-                _field("csa_staging"),
+                field_name("csa_staging"),
                 self.csa_staging,
                 f"{RESIDENT_STAGING} unless csa_topk > 0 (only selection fetches into staging)",
             )
-        _check_int("csa_select_every", self.csa_select_every, 1)
+        check_int("csa_select_every", self.csa_select_every, 1)
         self._normalise_layer_select_every()
         if self.csa_select_every > 1 and not self.csa_topk:
             name = (
@@ -452,14 +360,14 @@ class KVPolicy:
                 else "layer_csa_select_every"
             )
             raise ConfigError(
-                _field(name),
+                field_name(name),
                 getattr(self, name),
                 f"{'1' if name == 'csa_select_every' else 'null'} unless csa_topk > 0 (it reuses "
                 "a selection)",
             )
         if self.csa_host and not self.csa_topk:
             raise ConfigError(
-                _field("csa_topk"),
+                field_name("csa_topk"),
                 self.csa_topk,
                 "an integer >= 1 when csa_host is true (only selection reads the host tier)",
             )
@@ -478,7 +386,7 @@ class KVPolicy:
             return
         if max(budgets) == 0:
             raise ConfigError(
-                _field("layer_csa_topk"),
+                field_name("layer_csa_topk"),
                 list(budgets),
                 "a list with a budget above 0, or null (a policy without selection has csa_topk 0)",
             )
@@ -486,24 +394,24 @@ class KVPolicy:
 
     def _layer_ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
         """Field layer_<name> as a tuple of integers >= minimum (None when unset)."""
-        field_name = "layer_" + name
-        values = getattr(self, field_name)
+        layer_field = "layer_" + name
+        values = getattr(self, layer_field)
         if values is None:
             return None
         if isinstance(values, str) or not isinstance(values, Sequence) or not values:
             raise ConfigError(
-                _field(field_name),
+                field_name(layer_field),
                 values,
                 f"a list of integers >= {minimum} (one a layer), or null",
             )
-        return tuple(_check_int(f"{field_name}[{i}]", v, minimum) for i, v in enumerate(values))
+        return tuple(check_int(f"{layer_field}[{i}]", v, minimum) for i, v in enumerate(values))
 
     def _take_largest(self, name: str, values: tuple[int, ...], unset: int, why: str) -> None:
         """Store `values` as layer_<name> and their largest as `name`, which must be unset (its
         `unset` value) or already that largest."""
         if getattr(self, name) not in (unset, max(values)):
             raise ConfigError(
-                _field(name),
+                field_name(name),
                 getattr(self, name),
                 f"{max(values)}, the largest layer_{name}{why}, or {unset} to take it",
             )
@@ -517,17 +425,17 @@ class KVPolicy:
         allowed = ", ".join(f"{f:g}" for f in KEEP_FRACTIONS)
         number = isinstance(keep, int | float) and not isinstance(keep, bool)
         if not number or keep not in KEEP_FRACTIONS:
-            raise ConfigError(_field("csa_keep"), keep, f"one of {allowed}")
+            raise ConfigError(field_name("csa_keep"), keep, f"one of {allowed}")
         object.__setattr__(self, "csa_keep", float(keep))  # 0 and 0.0: one policy, one key
         if not keep:
             return
         if self.csa_ratio == 1:
             raise ConfigError(
-                _field("csa_keep"), keep, "0 when csa_ratio is 1 (it keeps compressed blocks)"
+                field_name("csa_keep"), keep, "0 when csa_ratio is 1 (it keeps compressed blocks)"
             )
         if self.csa_topk:
             raise ConfigError(
-                _field("csa_keep"),
+                field_name("csa_keep"),
                 keep,
                 "0 when csa_topk > 0 (importance-kept blocks and host-tier selection do not "
                 "combine yet)",
@@ -535,14 +443,14 @@ class KVPolicy:
         span = (KEEP_GROUP - 1) * self.block_size
         if self.csa_window < span:
             raise ConfigError(
-                _field("csa_window"),
+                field_name("csa_window"),
                 self.csa_window,
                 f">= {span} ({KEEP_GROUP - 1} x block_size) when csa_keep > 0 (a group of "
                 f"{KEEP_GROUP} blocks is decided when its first leaves the window)",
             )
         if self.recent_unquantized > self.csa_window - span:
             raise ConfigError(
-                _field("recent_unquantized"),
+                field_name("recent_unquantized"),
                 self.recent_unquantized,
                 f"<= csa_window - {KEEP_GROUP - 1} x block_size = {self.csa_window - span} when "
                 "csa_keep > 0 "
@@ -597,116 +505,26 @@ class KVPolicy:
 
     def layer_pairs(self, num_layers: int) -> list[tuple[str, str]]:
         """(K dtype, V dtype) of every layer, with the per-layer overrides applied."""
-        if self.layer_dtypes is None:
-            pairs = [(self.k_dtype, self.v_dtype)] * num_layers
-        elif len(self.layer_dtypes) != num_layers:
-            raise ConfigError(
-                _field("layer_dtypes"),
-                f"<{len(self.layer_dtypes)} entries>",
-                f"exactly one K/V pair per layer: the model has {num_layers} layers",
-            )
-        else:
-            pairs = [tuple(pair.split("/")) for pair in self.layer_dtypes]  # type: ignore[misc]
-        edge = min(self.boundary_layers, num_layers // 2)
-        return [
-            BOUNDARY_PAIR if i < edge or i >= num_layers - edge else pair
-            for i, pair in enumerate(pairs)
-        ]
+        return layers.layer_pairs(self, num_layers)
 
     def layer_topk(self, num_layers: int) -> list[int]:
         """Older blocks each query reads exactly, layer by layer (csa_topk everywhere unless
         layer_csa_topk gives each layer its own)."""
-        return self._per_layer("csa_topk", "budget", num_layers)
+        return layers.per_layer(self, "csa_topk", "budget", num_layers)
 
     def layer_select_every(self, num_layers: int) -> list[int]:
         """Positions one selection serves, layer by layer (csa_select_every everywhere unless
         layer_csa_select_every gives each layer its own)."""
-        return self._per_layer("csa_select_every", "N", num_layers)
-
-    def _per_layer(self, name: str, what: str, num_layers: int) -> list[int]:
-        """Field `name` for every layer: its layer_ list, or its one value repeated."""
-        values = getattr(self, "layer_" + name)
-        if values is None:
-            return [getattr(self, name)] * num_layers
-        if len(values) != num_layers:
-            raise ConfigError(
-                _field("layer_" + name),
-                f"<{len(values)} entries>",
-                f"exactly one {what} per layer: the model has {num_layers} layers",
-            )
-        return list(values)
+        return layers.per_layer(self, "csa_select_every", "N", num_layers)
 
     def kv_format(self, dtype: str, auto_dtype: str, keys: bool = False) -> KVFormat:
         """Storage format of a stream whose element dtype is `dtype` (auto -> the model's);
         keys: the stream holds keys (k_scale_axis applies)."""
-        size = self.key_group_size if keys else self.group_size
-        group = None if size == PER_TENSOR else size
-        element = auto_dtype if dtype == AUTO else dtype
-        if keys and self.k_scale_axis == "channel" and element in QUANTIZED_DTYPES:
-            return KVFormat(
-                element,
-                1,
-                self.scale_dtype,
-                token_group=self.block_size,
-                tensor_scale=self.tensor_scale,
-            )
-        return KVFormat(element, group, self.scale_dtype, tensor_scale=self.tensor_scale)
+        return storage.kv_format(self, dtype, auto_dtype, keys)
 
     def check_model(self, arch: ModelArch) -> None:
         """Refuse settings this model cannot hold (before its weights are loaded)."""
-        pairs = self.layer_pairs(arch.num_layers)
-        self.layer_topk(arch.num_layers)
-        self.layer_select_every(arch.num_layers)
-        size = arch.cached_vector_size
-        # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
-        for name in ("group_size", "k_group_size"):
-            group = getattr(self, name)
-            if isinstance(group, int) and size % group:
-                divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
-                allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
-                raise ConfigError(_field(name), group, f"must divide head_dim={size}: {allowed}")
-        for stream, name, group in (
-            (0, self._key_group_field, self.key_group_size),
-            (1, "group_size", self.group_size),
-        ):
-            streams = {pair[stream] for pair in pairs}
-            whole = sorted(streams & set(WHOLE_VECTOR_DTYPES))
-            if whole and group != size:
-                raise ConfigError(
-                    _field(name), group, f"head_dim={size} with {', '.join(whole)} (whole vectors)"
-                )
-        if self.rotation != NO_ROTATION:
-            self._check_rotation(arch)
-        if self.separate_index and (arch.is_mla or size % INDEX_GROUP):
-            raise ConfigError(
-                _field("csa_index_dtype"),
-                self.csa_index_dtype,
-                f"{INDEX_IN_LAYER_FORMAT} on this model (a separate index needs K and V heads "
-                f"whose head_dim is a multiple of {INDEX_GROUP}; it has head_dim={size}"
-                f"{', MLA' if arch.is_mla else ''})",
-            )
-        if arch.is_mla and any(k != v for k, v in pairs):
-            raise ConfigError(
-                _field("v_dtype"),
-                self.v_dtype,
-                "equal to k_dtype in every layer: an MLA model caches one latent for K and V",
-            )
-
-    def _check_rotation(self, arch: ModelArch) -> None:
-        """Checked even when no stream is quantized (then the rotation is not applied)."""
-        if arch.is_mla:
-            raise ConfigError(
-                _field("rotation"),
-                self.rotation,
-                f"{NO_ROTATION} on an MLA model (it caches one latent, not K and V per head)",
-            )
-        if self.rotation in POWER_OF_TWO_ROTATIONS and not is_power_of_two(arch.cached_vector_size):
-            raise ConfigError(
-                _field("rotation"),
-                self.rotation,
-                f"{NO_ROTATION} or vllm_rht (the {self.rotation} rotation needs a power-of-two "
-                f"head_dim; the model has head_dim={arch.cached_vector_size})",
-            )
+        storage.check_model(self, arch)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (lists, ints, strings) for YAML, MLflow params and Hydra."""
@@ -722,7 +540,9 @@ class KVPolicy:
         for key in data:
             if key not in known:
                 raise ConfigError(
-                    _field(str(key)), data[key], f"unknown field; known: {', '.join(sorted(known))}"
+                    field_name(str(key)),
+                    data[key],
+                    f"unknown field; known: {', '.join(sorted(known))}",
                 )
         values = dict(data)
         for name in ("layer_dtypes", "layer_csa_topk", "layer_csa_select_every"):
