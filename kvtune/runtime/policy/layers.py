@@ -6,18 +6,77 @@ them; the runtime, the planner and the exporter read the expanded lists from her
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_dtypes import KV_DTYPES
-from kvtune.runtime.policy.fields import field_name
+from kvtune.runtime.policy.fields import Check, checked_int, field_name
 from kvtune.runtime.policy.vocabulary import BOUNDARY_PAIR
 
 if TYPE_CHECKING:
     from kvtune.runtime.policy.schema import KVPolicy
 
 
-def parse_layer_pair(index: int, pair: object) -> str:
+# Per-layer lists whose plain field is their largest: (field, its value when unset, why).
+TAKE_LARGEST: tuple[tuple[str, int, str], ...] = (
+    ("csa_topk", 0, " (the staging blocks a sequence holds)"),
+    ("csa_select_every", 1, ""),
+)
+
+
+def layer_dtypes(name: str, value: Any) -> tuple[str, ...] | None:
+    """layer_dtypes as a tuple of normalised "K/V" pairs (None when unset or empty)."""
+    if value is None:
+        return None
+    if isinstance(value, str) or not isinstance(value, Sequence):
+        raise ConfigError(field_name(name), value, 'a list of "K/V" pairs, or null')
+    return tuple(_layer_pair(i, pair) for i, pair in enumerate(value)) or None
+
+
+def layer_ints(minimum: int) -> Check:
+    """A check of a per-layer list: a tuple of integers >= minimum, or None."""
+
+    def check(name: str, value: Any) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+            raise ConfigError(
+                field_name(name), value, f"a list of integers >= {minimum} (one a layer), or null"
+            )
+        return tuple(checked_int(f"{name}[{i}]", v, minimum) for i, v in enumerate(value))
+
+    return check
+
+
+def layer_budgets(name: str, value: Any) -> tuple[int, ...] | None:
+    """layer_csa_topk: budgets >= 0, one of them above 0 (else the policy selects nothing)."""
+    budgets = layer_ints(0)(name, value)
+    if budgets is not None and max(budgets) == 0:
+        raise ConfigError(
+            field_name(name),
+            list(budgets),
+            "a list with a budget above 0, or null (a policy without selection has csa_topk 0)",
+        )
+    return budgets
+
+
+def largest(fields: Mapping[str, Any], name: str, unset: int, why: str) -> int:
+    """Field `name` where layer_<name> is set: their largest, which `name` must be already or
+    leave unset (its `unset` value)."""
+    values = fields["layer_" + name]
+    if values is None:
+        return fields[name]
+    if fields[name] not in (unset, max(values)):
+        raise ConfigError(
+            field_name(name),
+            fields[name],
+            f"{max(values)}, the largest layer_{name}{why}, or {unset} to take it",
+        )
+    return max(values)
+
+
+def _layer_pair(index: int, pair: object) -> str:
     """Normalise one per-layer entry "K/V" (for example "fp8/fp4")."""
     name = f"layer_dtypes[{index}]"
     parts = pair.split("/") if isinstance(pair, str) else []

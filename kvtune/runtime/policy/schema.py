@@ -1,53 +1,55 @@
 """KVPolicy: the tunable KV-cache settings, validated once for every entry point.
 
 The CLI, the runtime, the tuner and the exporter all build a KVPolicy, so a bad value is refused
-with the same one-line message everywhere, before any model is loaded. The class holds the
-fields, their validation and their dict/YAML form; per-layer expansion (layers.py) and storage
-formats (storage.py) are reached through its methods.
+with the same one-line message everywhere, before any model is loaded. Each field is declared
+with its own check (fields.py, layers.py); then the rules between fields (rules.py) are checked
+in order. Per-layer expansion (layers.py) and storage formats (storage.py) are reached through
+the methods.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import yaml
 
-from kvtune.kernels.formats.kv_format import TENSOR_SCALES, ZERO_POINT_SCALE_DTYPES, KVFormat
+from kvtune.kernels.formats.kv_format import TENSOR_SCALES, KVFormat
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
-from kvtune.runtime.policy import layers, storage
+from kvtune.runtime.kv_dtypes import KV_DTYPES
+from kvtune.runtime.policy import layers, rules, storage
 from kvtune.runtime.policy.fields import (
-    check_dtype,
-    check_int,
+    Check,
+    at_least,
+    boolean,
     field_name,
-    normalised_group_size,
+    group_or_tensor,
+    keep_fraction,
+    one_of,
+    optional,
 )
-from kvtune.runtime.policy.layers import parse_layer_pair
 from kvtune.runtime.policy.vocabulary import (
     BLOCK_SIZES,
     CSA_INDEX_DTYPES,
     CSA_INDEXES,
     CSA_STAGINGS,
     CSA_SUMMARIES,
-    FIXED_SCALE_DTYPES,
-    GROUPED_DTYPES,
     INDEX_IN_LAYER_FORMAT,
     K_SCALE_AXES,
-    KEEP_FRACTIONS,
     KEEP_GROUP,
     NO_ROTATION,
-    NO_SUMMARY,
-    PER_TENSOR,
-    POOLED_INDEXES,
     RESIDENT_STAGING,
     ROTATION_NAMES,
     SCALE_DTYPES,
-    WHOLE_VECTOR_DTYPES,
-    ZERO_POINT_DTYPES,
 )
+
+
+def _checked(default: Any, check: Check) -> Any:
+    """A field with its default and the check of its value on its own."""
+    return dataclasses.field(default=default, metadata={"check": check})
 
 
 @dataclass(frozen=True)
@@ -125,342 +127,75 @@ class KVPolicy:
         (queries rotated alike, the attention output rotated back;
         kvtune/kernels/formats/rotation.py), or vllm_rht: vLLM's int4_per_token_head transform
         (unnormalized, one sign vector for all layers, rotated K and V cast back to the model
-    dtype). It costs no cache bytes. tensor_scale: calibrated (each layer's fp32 K and V tensor
-        scales are measured on a fixed text, for per-tensor and E4M3-scaled streams) or unit (1, as
-        vLLM and SGLang use without checkpoint k_scale / v_scale: the engine presets).
+        dtype). It costs no cache bytes.
+    tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
+        text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use without
+        checkpoint k_scale / v_scale: the engine presets).
     boundary_layers: the first and last N layers (at most half the model each) are cached in
         fp16 whatever the dtypes say; vLLM's turboquant_* caches keep 2 in the model dtype
         (16-bit on every GPU deployment; fp16 here, so that an fp32 CPU run counts the bytes
         vLLM allocates).
     """
 
-    k_dtype: str = "fp16"
-    v_dtype: str = "fp16"
-    layer_dtypes: tuple[str, ...] | None = None
-    group_size: int | str = 32
-    k_group_size: int | str | None = None
-    scale_dtype: str = "fp16"
-    k_scale_axis: str = "token"
-    recent_unquantized: int = 0
-    csa_ratio: int = 1
-    csa_window: int = 512
-    csa_sinks: int = 16
-    csa_summary: str = "pre_rope"
-    csa_topk: int = 0
-    layer_csa_topk: tuple[int, ...] | None = None
-    csa_index: str = "bounds"
-    csa_index_dtype: str = INDEX_IN_LAYER_FORMAT
-    csa_host: bool = False
-    csa_staging: str = RESIDENT_STAGING
-    csa_select_every: int = 1
-    layer_csa_select_every: tuple[int, ...] | None = None
-    csa_keep: float = 0.0
-    block_size: int = 16
-    chunk_size: int = 512
-    rotation: str = NO_ROTATION
-    tensor_scale: str = "calibrated"
-    boundary_layers: int = 0
+    k_dtype: str = _checked("fp16", one_of(KV_DTYPES))
+    v_dtype: str = _checked("fp16", one_of(KV_DTYPES))
+    layer_dtypes: tuple[str, ...] | None = _checked(None, layers.layer_dtypes)
+    group_size: int | str = _checked(32, group_or_tensor)
+    k_group_size: int | str | None = _checked(None, optional(group_or_tensor))
+    scale_dtype: str = _checked("fp16", one_of(SCALE_DTYPES))
+    k_scale_axis: str = _checked("token", one_of(K_SCALE_AXES))
+    recent_unquantized: int = _checked(0, at_least(0))
+    csa_ratio: int = 1  # bounded by block_size: rules.RATIO_FITS_A_BLOCK
+    csa_window: int = _checked(512, at_least(0))
+    csa_sinks: int = _checked(16, at_least(0))
+    csa_summary: str = _checked("pre_rope", one_of(CSA_SUMMARIES))
+    csa_topk: int = _checked(0, at_least(0))
+    layer_csa_topk: tuple[int, ...] | None = _checked(None, layers.layer_budgets)
+    csa_index: str = _checked("bounds", one_of(CSA_INDEXES))
+    csa_index_dtype: str = _checked(INDEX_IN_LAYER_FORMAT, one_of(CSA_INDEX_DTYPES))
+    csa_host: bool = _checked(False, boolean)
+    csa_staging: str = _checked(RESIDENT_STAGING, one_of(CSA_STAGINGS))
+    csa_select_every: int = _checked(1, at_least(1))
+    layer_csa_select_every: tuple[int, ...] | None = _checked(None, layers.layer_ints(1))
+    csa_keep: float = _checked(0.0, keep_fraction)
+    block_size: int = _checked(16, one_of(BLOCK_SIZES))
+    chunk_size: int = _checked(512, at_least(1))
+    rotation: str = _checked(NO_ROTATION, one_of(ROTATION_NAMES))
+    tensor_scale: str = _checked("calibrated", one_of(TENSOR_SCALES))
+    boundary_layers: int = _checked(0, at_least(0))
 
     def __post_init__(self) -> None:
-        check_dtype("k_dtype", self.k_dtype)
-        check_dtype("v_dtype", self.v_dtype)
-        if self.layer_dtypes is not None:
-            if isinstance(self.layer_dtypes, str) or not isinstance(self.layer_dtypes, Sequence):
-                raise ConfigError(
-                    field_name("layer_dtypes"), self.layer_dtypes, 'a list of "K/V" pairs, or null'
-                )
-            pairs = tuple(parse_layer_pair(i, p) for i, p in enumerate(self.layer_dtypes))
-            object.__setattr__(self, "layer_dtypes", pairs or None)
-        object.__setattr__(self, "group_size", normalised_group_size("group_size", self.group_size))
-        if self.k_group_size is not None:
-            k_group = normalised_group_size("k_group_size", self.k_group_size)
-            object.__setattr__(self, "k_group_size", k_group)
-        check_int("boundary_layers", self.boundary_layers, 0)
-        if self.scale_dtype not in SCALE_DTYPES:
-            raise ConfigError(
-                field_name("scale_dtype"), self.scale_dtype, f"one of {', '.join(SCALE_DTYPES)}"
-            )
-        if self.k_scale_axis not in K_SCALE_AXES:
-            raise ConfigError(
-                field_name("k_scale_axis"), self.k_scale_axis, f"one of {', '.join(K_SCALE_AXES)}"
-            )
-        check_int("recent_unquantized", self.recent_unquantized, 0)
-        check_int("csa_window", self.csa_window, 0)
-        check_int("csa_sinks", self.csa_sinks, 0)
-        if self.block_size not in BLOCK_SIZES or isinstance(self.block_size, bool):
-            raise ConfigError(
-                field_name("block_size"),
-                self.block_size,
-                f"one of {', '.join(map(str, BLOCK_SIZES))}",
-            )
-        check_int("chunk_size", self.chunk_size, 1)
-        if self.chunk_size % self.block_size:
-            raise ConfigError(
-                field_name("chunk_size"),
-                self.chunk_size,
-                f"a multiple of block_size={self.block_size} (pages must stay aligned)",
-            )
-        self._check_compression()
-        self._check_integer_formats()
-        if self.rotation not in ROTATION_NAMES:
-            raise ConfigError(
-                field_name("rotation"), self.rotation, f"one of {', '.join(ROTATION_NAMES)}"
-            )
-        if self.tensor_scale not in TENSOR_SCALES:
-            raise ConfigError(
-                field_name("tensor_scale"), self.tensor_scale, f"one of {', '.join(TENSOR_SCALES)}"
-            )
+        """Each field checked on its own, then the plain fields of per-layer lists set, then the
+        rules between fields checked in order: a policy breaking several gets the first."""
+        for field in dataclasses.fields(self):
+            value = self.checked_field(field.name, getattr(self, field.name))
+            object.__setattr__(self, field.name, value)
+        for name, unset, why in layers.TAKE_LARGEST:
+            object.__setattr__(self, name, layers.largest(vars(self), name, unset, why))
+        for rule in rules.RULES:
+            rule.check(vars(self))
+
+    @classmethod
+    def checked_field(cls, name: str, value: Any) -> Any:
+        """One field's value checked on its own (not the rules between fields) and normalised,
+        as validation does; the search space checks its candidates with it."""
+        check = cls.__dataclass_fields__[name].metadata.get("check")
+        return value if check is None else check(name, value)
 
     @property
     def key_group_field(self) -> str:
         """The field that sets the keys' group size, for error messages."""
-        return "group_size" if self.k_group_size is None else "k_group_size"
+        return rules.key_group_field(vars(self))
 
     @property
     def key_group_size(self) -> int | str:
         """The keys' group_size (k_group_size, or group_size when that is null)."""
-        return self.group_size if self.k_group_size is None else self.k_group_size
-
-    def _check_integer_formats(self) -> None:
-        """The asymmetric integer formats keep a zero point per group in the scale dtype, so
-        they need fp16 scales, and a group_size wherever they use it (channel keys do not)."""
-        pairs = [pair.split("/") for pair in self.layer_dtypes or ()]
-        keys = {self.k_dtype, *(k for k, _ in pairs)}
-        values = {self.v_dtype, *(v for _, v in pairs)}
-        integer = sorted((keys | values) & set(ZERO_POINT_DTYPES))
-        grouped_keys = set() if self.k_scale_axis == "channel" else keys
-        for name, group, dtypes in (
-            ("group_size", self.group_size, values),
-            (self.key_group_field, self.key_group_size, grouped_keys),
-        ):
-            needing = sorted(dtypes & set(GROUPED_DTYPES))
-            if group == PER_TENSOR and needing:
-                raise ConfigError(
-                    field_name(name),
-                    group,
-                    f"a positive integer with {', '.join(needing)} (scales per group)",
-                )
-        if integer and self.scale_dtype not in ZERO_POINT_SCALE_DTYPES:
-            raise ConfigError(
-                field_name("scale_dtype"),
-                self.scale_dtype,
-                f"one of {', '.join(ZERO_POINT_SCALE_DTYPES)} with {', '.join(integer)} "
-                "(zero points are stored in the scale dtype)",
-            )
-        for dtype in sorted((keys | values) & set(FIXED_SCALE_DTYPES)):
-            needed = FIXED_SCALE_DTYPES[dtype]
-            if self.scale_dtype != needed:
-                raise ConfigError(
-                    field_name("scale_dtype"),
-                    self.scale_dtype,
-                    f"{needed} with {dtype} (the format's own scale words)",
-                )
-        whole = sorted(keys & set(WHOLE_VECTOR_DTYPES))
-        if whole and self.k_scale_axis == "channel":
-            raise ConfigError(
-                field_name("k_scale_axis"),
-                self.k_scale_axis,
-                f"token with {', '.join(whole)} keys (its codes cover one whole vector)",
-            )
-
-    def _check_compression(self) -> None:
-        ratio = self.csa_ratio
-        ratios = [r for r in (1, 2, 4, 8, 16, 32, 64, 128) if r <= self.block_size]
-        if ratio not in ratios or isinstance(ratio, bool):
-            raise ConfigError(
-                field_name("csa_ratio"),
-                ratio,
-                f"a power of two up to block_size={self.block_size}: {', '.join(map(str, ratios))}",
-            )
-        if self.csa_summary not in CSA_SUMMARIES:
-            raise ConfigError(
-                field_name("csa_summary"), self.csa_summary, f"one of {', '.join(CSA_SUMMARIES)}"
-            )
-        self._check_selection()
-        channel = self.k_scale_axis == "channel"
-        if ratio > 1 and channel and (self.summarises or not self.separate_index):
-            raise ConfigError(
-                field_name("k_scale_axis"),
-                self.k_scale_axis,
-                "token when csa_ratio > 1, unless csa_summary is none with a csa_index_dtype "
-                "other than auto (summaries and in-pool key bounds are written one vector at a "
-                "time; per-channel scales need whole blocks)",
-            )
-        self._check_keep()
-        if ratio > 1 and self.csa_window < self.block_size:
-            raise ConfigError(
-                field_name("csa_window"),
-                self.csa_window,
-                f">= block_size={self.block_size} when csa_ratio > 1 "
-                "(whole blocks leave the window)",
-            )
-
-    def _check_selection(self) -> None:
-        """Selection reads exact older blocks, which only the host tier keeps, and the tier
-        is read only by selection."""
-        check_int("csa_topk", self.csa_topk, 0)
-        self._normalise_layer_topk()
-        if self.csa_index not in CSA_INDEXES:
-            raise ConfigError(
-                field_name("csa_index"), self.csa_index, f"one of {', '.join(CSA_INDEXES)}"
-            )
-        if not isinstance(self.csa_host, bool):
-            raise ConfigError(field_name("csa_host"), self.csa_host, "true or false")
-        if self.csa_index_dtype not in CSA_INDEX_DTYPES:
-            raise ConfigError(
-                field_name("csa_index_dtype"),
-                self.csa_index_dtype,
-                f"one of {', '.join(CSA_INDEX_DTYPES)}",
-            )
-        if self.csa_index_dtype != INDEX_IN_LAYER_FORMAT and not self.pooled_index:
-            raise ConfigError(
-                field_name("csa_index_dtype"),
-                self.csa_index_dtype,
-                f"{INDEX_IN_LAYER_FORMAT} unless csa_topk > 0 with csa_index "
-                f"{' or '.join(POOLED_INDEXES)} (it stores the bounds or means selection scores)",
-            )
-        if self.csa_topk and self.csa_ratio == 1:
-            budgets = self.layer_csa_topk
-            raise ConfigError(
-                field_name("csa_topk" if budgets is None else "layer_csa_topk"),
-                self.csa_topk if budgets is None else list(budgets),
-                f"{0 if budgets is None else 'null'} when csa_ratio is 1 (selection picks among "
-                "compressed blocks)",
-            )
-        if self.csa_summary == NO_SUMMARY and not self.pooled_index:
-            raise ConfigError(
-                field_name("csa_summary"),
-                self.csa_summary,
-                f"pre_rope or post_rope unless csa_topk > 0 with csa_index "
-                f"{' or '.join(POOLED_INDEXES)} (without summaries, only selection on an index "
-                "pool reads older blocks)",
-            )
-        if self.csa_topk and not self.csa_host:
-            raise ConfigError(
-                field_name("csa_host"),
-                self.csa_host,
-                "true when csa_topk > 0 (the selected exact blocks live in the host tier)",
-            )
-        if self.csa_staging not in CSA_STAGINGS:
-            raise ConfigError(
-                field_name("csa_staging"), self.csa_staging, f"one of {', '.join(CSA_STAGINGS)}"
-            )
-        if self.csa_staging != RESIDENT_STAGING and not self.csa_topk:
-            raise ConfigError(
-                field_name("csa_staging"),
-                self.csa_staging,
-                f"{RESIDENT_STAGING} unless csa_topk > 0 (only selection fetches into staging)",
-            )
-        check_int("csa_select_every", self.csa_select_every, 1)
-        self._normalise_layer_select_every()
-        if self.csa_select_every > 1 and not self.csa_topk:
-            name = (
-                "csa_select_every"
-                if self.layer_csa_select_every is None
-                else "layer_csa_select_every"
-            )
-            raise ConfigError(
-                field_name(name),
-                getattr(self, name),
-                f"{'1' if name == 'csa_select_every' else 'null'} unless csa_topk > 0 (it reuses "
-                "a selection)",
-            )
-        if self.csa_host and not self.csa_topk:
-            raise ConfigError(
-                field_name("csa_topk"),
-                self.csa_topk,
-                "an integer >= 1 when csa_host is true (only selection reads the host tier)",
-            )
-
-    def _normalise_layer_select_every(self) -> None:
-        """Per-layer reuse as a tuple of integers >= 1, csa_select_every their largest."""
-        everies = self._layer_ints("csa_select_every", 1)
-        if everies is not None:
-            self._take_largest("csa_select_every", everies, 1, "")
-
-    def _normalise_layer_topk(self) -> None:
-        """Per-layer budgets as a tuple of integers, csa_topk their largest (the staging blocks
-        a sequence holds; 0 takes it)."""
-        budgets = self._layer_ints("csa_topk", 0)
-        if budgets is None:
-            return
-        if max(budgets) == 0:
-            raise ConfigError(
-                field_name("layer_csa_topk"),
-                list(budgets),
-                "a list with a budget above 0, or null (a policy without selection has csa_topk 0)",
-            )
-        self._take_largest("csa_topk", budgets, 0, " (the staging blocks a sequence holds)")
-
-    def _layer_ints(self, name: str, minimum: int) -> tuple[int, ...] | None:
-        """Field layer_<name> as a tuple of integers >= minimum (None when unset)."""
-        layer_field = "layer_" + name
-        values = getattr(self, layer_field)
-        if values is None:
-            return None
-        if isinstance(values, str) or not isinstance(values, Sequence) or not values:
-            raise ConfigError(
-                field_name(layer_field),
-                values,
-                f"a list of integers >= {minimum} (one a layer), or null",
-            )
-        return tuple(check_int(f"{layer_field}[{i}]", v, minimum) for i, v in enumerate(values))
-
-    def _take_largest(self, name: str, values: tuple[int, ...], unset: int, why: str) -> None:
-        """Store `values` as layer_<name> and their largest as `name`, which must be unset (its
-        `unset` value) or already that largest."""
-        if getattr(self, name) not in (unset, max(values)):
-            raise ConfigError(
-                field_name(name),
-                getattr(self, name),
-                f"{max(values)}, the largest layer_{name}{why}, or {unset} to take it",
-            )
-        object.__setattr__(self, "layer_" + name, values)
-        object.__setattr__(self, name, max(values))
-
-    def _check_keep(self) -> None:
-        """Kept blocks are decided when a group's first block leaves the window, from codes
-        in the layer's format: every block of the group must be complete and quantized then."""
-        keep = self.csa_keep
-        allowed = ", ".join(f"{f:g}" for f in KEEP_FRACTIONS)
-        number = isinstance(keep, int | float) and not isinstance(keep, bool)
-        if not number or keep not in KEEP_FRACTIONS:
-            raise ConfigError(field_name("csa_keep"), keep, f"one of {allowed}")
-        object.__setattr__(self, "csa_keep", float(keep))  # 0 and 0.0: one policy, one key
-        if not keep:
-            return
-        if self.csa_ratio == 1:
-            raise ConfigError(
-                field_name("csa_keep"), keep, "0 when csa_ratio is 1 (it keeps compressed blocks)"
-            )
-        if self.csa_topk:
-            raise ConfigError(
-                field_name("csa_keep"),
-                keep,
-                "0 when csa_topk > 0 (importance-kept blocks and host-tier selection do not "
-                "combine yet)",
-            )
-        span = (KEEP_GROUP - 1) * self.block_size
-        if self.csa_window < span:
-            raise ConfigError(
-                field_name("csa_window"),
-                self.csa_window,
-                f">= {span} ({KEEP_GROUP - 1} x block_size) when csa_keep > 0 (a group of "
-                f"{KEEP_GROUP} blocks is decided when its first leaves the window)",
-            )
-        if self.recent_unquantized > self.csa_window - span:
-            raise ConfigError(
-                field_name("recent_unquantized"),
-                self.recent_unquantized,
-                f"<= csa_window - {KEEP_GROUP - 1} x block_size = {self.csa_window - span} when "
-                "csa_keep > 0 "
-                "(kept blocks are copied from quantized codes)",
-            )
+        return getattr(self, self.key_group_field)
 
     @property
     def keeps(self) -> bool:
         """Whether older blocks are kept exact on the device by importance."""
-        return self.csa_keep > 0
+        return rules.keeps(vars(self))
 
     @property
     def kept_per_group(self) -> int:
@@ -470,7 +205,7 @@ class KVPolicy:
     @property
     def selects(self) -> bool:
         """Whether queries read selected exact older blocks from the host tier."""
-        return self.csa_topk > 0
+        return rules.selects(vars(self))
 
     @property
     def streams_staging(self) -> bool:
@@ -480,22 +215,23 @@ class KVPolicy:
     @property
     def pooled_index(self) -> bool:
         """Whether selection scores blocks on bounds or means kept in an index pool."""
-        return self.selects and self.csa_index in POOLED_INDEXES
+        return rules.pooled_index(vars(self))
 
     @property
     def separate_index(self) -> bool:
         """Whether the index pool is in a dtype and basis of its own (csa_index_dtype not
         auto)."""
-        return self.csa_index_dtype != INDEX_IN_LAYER_FORMAT
+        return rules.separate_index(vars(self))
 
     @property
     def compressed(self) -> bool:
-        return self.csa_ratio > 1
+        """Whether blocks that leave the window are compressed."""
+        return rules.compressed(vars(self))
 
     @property
     def summarises(self) -> bool:
         """Whether blocks that leave the window are pooled into summaries."""
-        return self.compressed and self.csa_summary != NO_SUMMARY
+        return rules.summarises(vars(self))
 
     @property
     def recent_tail(self) -> bool:
@@ -529,10 +265,7 @@ class KVPolicy:
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (lists, ints, strings) for YAML, MLflow params and Hydra."""
         data = dataclasses.asdict(self)
-        for name in ("layer_dtypes", "layer_csa_topk", "layer_csa_select_every"):
-            if data[name] is not None:
-                data[name] = list(data[name])
-        return data
+        return {name: list(v) if isinstance(v, tuple) else v for name, v in data.items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> KVPolicy:
@@ -544,11 +277,7 @@ class KVPolicy:
                     data[key],
                     f"unknown field; known: {', '.join(sorted(known))}",
                 )
-        values = dict(data)
-        for name in ("layer_dtypes", "layer_csa_topk", "layer_csa_select_every"):
-            if isinstance(values.get(name), list):
-                values[name] = tuple(values[name])
-        return cls(**values)
+        return cls(**data)  # per-layer lists become tuples as they are checked
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

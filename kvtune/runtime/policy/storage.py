@@ -46,13 +46,8 @@ def check_model(policy: KVPolicy, arch: ModelArch) -> None:
     policy.layer_topk(arch.num_layers)
     policy.layer_select_every(arch.num_layers)
     size = arch.cached_vector_size
-    # Checked even when no stream is quantized: a value is valid or not whatever the dtypes.
     for name in ("group_size", "k_group_size"):
-        group = getattr(policy, name)
-        if isinstance(group, int) and size % group:
-            divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
-            allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
-            raise ConfigError(field_name(name), group, f"must divide head_dim={size}: {allowed}")
+        check_group_size(name, getattr(policy, name), arch)
     for stream, name, group in (
         (0, policy.key_group_field, policy.key_group_size),
         (1, "group_size", policy.group_size),
@@ -65,8 +60,7 @@ def check_model(policy: KVPolicy, arch: ModelArch) -> None:
                 group,
                 f"head_dim={size} with {', '.join(whole)} (whole vectors)",
             )
-    if policy.rotation != NO_ROTATION:
-        _check_rotation(policy, arch)
+    check_rotation(policy.rotation, arch)
     if policy.separate_index and (arch.is_mla or size % INDEX_GROUP):
         raise ConfigError(
             field_name("csa_index_dtype"),
@@ -83,18 +77,31 @@ def check_model(policy: KVPolicy, arch: ModelArch) -> None:
         )
 
 
-def _check_rotation(policy: KVPolicy, arch: ModelArch) -> None:
-    """Checked even when no stream is quantized (then the rotation is not applied)."""
+def check_group_size(name: str, group: int | str | None, arch: ModelArch) -> None:
+    """A group size must divide the cached vector; checked even when no stream is quantized (a
+    value is valid or not whatever the dtypes). The search space checks its candidates here."""
+    size = arch.cached_vector_size
+    if isinstance(group, int) and size % group:
+        divisors = [g for g in (8, 16, 32, 64, 128) if size % g == 0 and g < size]
+        allowed = ", ".join(map(str, [*divisors, size])) + f", or {PER_TENSOR}"
+        raise ConfigError(field_name(name), group, f"must divide head_dim={size}: {allowed}")
+
+
+def check_rotation(rotation: str, arch: ModelArch) -> None:
+    """A rotation must suit the model's heads; checked even when no stream is quantized (then
+    it is not applied). The search space checks its candidates here."""
+    if rotation == NO_ROTATION:
+        return
     if arch.is_mla:
         raise ConfigError(
             field_name("rotation"),
-            policy.rotation,
+            rotation,
             f"{NO_ROTATION} on an MLA model (it caches one latent, not K and V per head)",
         )
-    if policy.rotation in POWER_OF_TWO_ROTATIONS and not is_power_of_two(arch.cached_vector_size):
+    if rotation in POWER_OF_TWO_ROTATIONS and not is_power_of_two(arch.cached_vector_size):
         raise ConfigError(
             field_name("rotation"),
-            policy.rotation,
-            f"{NO_ROTATION} or vllm_rht (the {policy.rotation} rotation needs a power-of-two "
+            rotation,
+            f"{NO_ROTATION} or vllm_rht (the {rotation} rotation needs a power-of-two "
             f"head_dim; the model has head_dim={arch.cached_vector_size})",
         )

@@ -34,6 +34,8 @@ SCALE_DTYPES: tuple[str, ...] = tuple(SCALE_FORMATS)
 ROTATION_NAMES: tuple[str, ...] = tuple(ROTATIONS)
 NO_ROTATION = "none"
 BLOCK_SIZES: tuple[int, ...] = (8, 16, 32, 64, 128)
+# Tokens pooled into one CSA summary: a power of two, at most block_size (rules.py).
+CSA_RATIOS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
 K_SCALE_AXES: tuple[str, ...] = ("token", "channel")
 PER_TENSOR = "tensor"
 # What the boundary layers cache (boundary_layers).
