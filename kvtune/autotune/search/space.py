@@ -53,7 +53,8 @@ KNOB_NAMES = (
 _DEFAULTS = KVPolicy()
 # Knobs drawn once per layer group (params "<knob>_g<i>"), beside the K and V dtypes: the
 # selection budget and how long a choice is reused, since layers that retrieve want many
-# blocks chosen at every query and layers that attend locally few, reused (stop 33).
+# blocks chosen at every query and layers that attend locally few, reused (benchmarks/RESULTS.md,
+# "CSA pooling and selection").
 GROUP_KNOBS = ("csa_topk_share", "csa_select_every")
 # Knobs of the space that are not policy fields, with the value a conf/search without them
 # keeps: each layer group reads csa_topk * share blocks (rounded up; 0: none).

@@ -113,7 +113,8 @@ class KVPolicy:
         reuses the staged choice (no scoring, no fetch, no host sync) unless a block has left
         the window since; prefill scores its queries by the same anchors, so teacher-forced
         accuracy measures what decode does. The lag costs recall where one query retrieves
-        (SmolLM2 held out: 0.959 at 1, 0.941 at 2, 0.772 at 4; benchmarks/RESULTS.md).
+        (SmolLM2 held out: 0.959 at 1, 0.941 at 2, 0.772 at 4; benchmarks/RESULTS.md, "CSA pooling
+        and selection").
     layer_csa_select_every: optional N per layer overriding csa_select_every (then their
         largest): reuse where layers attend locally, choose at every query where they retrieve.
     csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
