@@ -53,13 +53,13 @@ from kvtune.autotune.search.sensitivity import (
     layer_sensitivity,
     mean_kl,
 )
-from kvtune.autotune.search.space import SearchConfig, SearchSpace, canonical
+from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.autotune.study.optuna_study import StudySettings, make_sampler
 from kvtune.runtime.arch import ModelArch, arch_from_folder
 from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
 from kvtune.runtime.model_source import resolve_model
-from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.policy import KVPolicy, canonical
 from kvtune.runtime.tokenizer import Tokenizer
 
 MODEL = "smollm2-135m"

@@ -4,11 +4,11 @@ import optuna
 import pytest
 
 from kvtune.autotune.search.sensitivity import group_layers
-from kvtune.autotune.search.space import SearchConfig, SearchSpace, canonical
+from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
-from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.policy import KVPolicy, canonical
 
 ARCH = ModelArch(
     name="test",
@@ -482,3 +482,40 @@ def test_keep_candidates_must_be_eighths_below_one():
     with pytest.raises(ConfigError) as error:
         space(csa_keep=[0, 0.3])
     assert error.value.field == "search.csa_keep"
+
+
+def test_grouped_formats_without_zero_points_draw_a_group_too():
+    """fp4_4over6 chooses a scale per group, so it has no per-tensor form though it keeps no
+    zero point: a per-tensor draw with it takes the smallest group size candidate, a draw
+    without it keeps per-tensor scales, and a space with no group size for it is refused."""
+    search = space(k_dtype=["fp8", "fp4_4over6"], v_dtype=["fp8"], group_size=["tensor", 32, 16])
+    fallen = search.policy({"group_size": "tensor", "k_dtype_g1": "fp4_4over6"})
+    assert fallen.layer_pairs(6)[2:4] == [("fp4_4over6", "fp8")] * 2 and fallen.group_size == 16
+    assert search.policy({"group_size": "tensor", "k_dtype_g1": "fp8"}).group_size == "tensor"
+    draws = valid_draws(search, 100, seed=6)
+    assert any("fp4_4over6" in {k for k, _ in p.layer_pairs(6)} for p in draws)
+    with pytest.raises(ConfigError) as error:
+        space(k_dtype=["fp8", "fp4_4over6"], group_size=["tensor"])
+    assert error.value.field == "search.k_dtype" and "fp4_4over6" in str(error.value)
+
+
+def test_rotation_candidates_need_a_power_of_two_head_dim_only_where_the_rotation_does():
+    """hadamard and turboquant build one Sylvester matrix of head_dim rows; vLLM's transform
+    (vllm_rht) works in blocks of head_dim's largest power-of-two divisor, so a 96-dim model
+    may draw it."""
+    odd = ModelArch("odd", 6, 8, 2, 96, 1 << 30, 8192)
+    knobs = {**SEARCH, "k_dtype": ["fp8", "int4"], "group_size": [16, 32]}
+    config = SearchConfig.from_dict({**knobs, "rotation": ["none", "vllm_rht"]}, odd)
+    search = SearchSpace(config, GROUPS, odd.num_layers)
+    study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=7))
+    rotations = set()
+    for _ in range(60):
+        trial = study.ask()
+        policy = search.suggest(trial)
+        policy.check_model(odd)
+        rotations.add(policy.rotation)
+        study.tell(trial, 0.0)
+    assert rotations == {"none", "vllm_rht"}
+    for rotation in ("hadamard", "turboquant"):
+        with pytest.raises(ConfigError, match="search.rotation"):
+            SearchConfig.from_dict({**knobs, "rotation": ["none", rotation]}, odd)

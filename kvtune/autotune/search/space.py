@@ -1,49 +1,33 @@
 """The policy search space: knobs with candidates from conf/search, turned into Optuna params.
 
-Every candidate is checked against the policy rules and the model before any trial runs, and
-the pairings are checked statically (every chunk_size candidate a multiple of every block_size
-candidate, every csa_ratio <= every block_size, every csa_window >= every block_size), so a
-sampler can never draw an invalid combination and the space stays static (what TPE, GP and
-grid need). K and V dtypes, and the share of the selection budget csa_topk that a layer reads
-(PyramidKV-style budgets), are searched per layer group: groups come from the sensitivity
-profile (kvtune/autotune/search/sensitivity.py), or one group a layer with `layer_groups: all`.
+Every candidate is checked by the policy's own field checks and the model before any trial runs,
+and the policy rules a draw cannot fall back on (chunk_size and csa_ratio against block_size,
+csa_window against block_size; kvtune/runtime/policy/rules.py) hold for every combination of
+candidates; a draw that breaks any other rule gives way to it, knob by knob. So a sampler can
+never draw an invalid combination and the space stays static (what TPE, GP and grid need). K and
+V dtypes, and the share of the selection budget csa_topk that a layer reads (PyramidKV-style
+budgets), are searched per layer group: groups come from the sensitivity profile
+(kvtune/autotune/search/sensitivity.py), or one group a layer with `layer_groups: all`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections import ChainMap
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import optuna
 from optuna.distributions import CategoricalDistribution
 
-from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES, ZERO_POINT_SCALE_DTYPES
-from kvtune.kernels.formats.rotation import is_power_of_two
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_dtypes import most_precise_first
-from kvtune.runtime.policy import (
-    BLOCK_SIZES,
-    CSA_INDEX_DTYPES,
-    CSA_INDEXES,
-    CSA_STAGINGS,
-    CSA_SUMMARIES,
-    INDEX_IN_LAYER_FORMAT,
-    K_SCALE_AXES,
-    KEEP_FRACTIONS,
-    KEEP_GROUP,
-    KV_DTYPES,
-    NO_ROTATION,
-    NO_SUMMARY,
-    PER_TENSOR,
-    POOLED_INDEXES,
-    ROTATION_NAMES,
-    SCALE_DTYPES,
-    ZERO_POINT_DTYPES,
-    KVPolicy,
-)
+from kvtune.runtime.policy import NO_SUMMARY, PER_TENSOR, KVPolicy, canonical, rules
+from kvtune.runtime.policy.rules import Rule
+from kvtune.runtime.policy.storage import check_group_size, check_rotation
 
 ALL_LAYERS = "all"
 KNOB_NAMES = (
@@ -69,7 +53,8 @@ KNOB_NAMES = (
 _DEFAULTS = KVPolicy()
 # Knobs drawn once per layer group (params "<knob>_g<i>"), beside the K and V dtypes: the
 # selection budget and how long a choice is reused, since layers that retrieve want many
-# blocks chosen at every query and layers that attend locally few, reused (stop 33).
+# blocks chosen at every query and layers that attend locally few, reused (benchmarks/RESULTS.md,
+# "CSA pooling and selection").
 GROUP_KNOBS = ("csa_topk_share", "csa_select_every")
 # Knobs of the space that are not policy fields, with the value a conf/search without them
 # keeps: each layer group reads csa_topk * share blocks (rounded up; 0: none).
@@ -101,52 +86,31 @@ def _field(name: str) -> str:
     return f"search.{name}"
 
 
-def _can_keep(knobs: Mapping[str, Any]) -> bool:
-    """Whether importance-kept blocks combine with the other knobs drawn (KVPolicy's rules):
-    compression without selection, a window that holds a keep group, a recent region inside
-    it. Elsewhere csa_keep falls back to 0, so every draw stays valid."""
-    span = (KEEP_GROUP - 1) * knobs["block_size"]
-    return (
-        knobs["csa_ratio"] > 1
-        and knobs["csa_topk"] == 0
-        and knobs["csa_window"] >= span
-        and knobs["recent_unquantized"] <= knobs["csa_window"] - span
-    )
+# Rules between knobs that no draw falls back on: they hold for every combination of the
+# candidates they read, checked when the space is loaded.
+STATIC_RULES = (
+    rules.CHUNKS_ALIGN_WITH_BLOCKS,
+    rules.RATIO_FITS_A_BLOCK,
+    rules.WINDOW_HOLDS_A_BLOCK,
+)
+# The scale knobs a draw's formats may need another candidate of, with the rules they keep.
+FORMAT_FALLBACKS: dict[str, tuple[Rule, ...]] = {
+    "scale_dtype": (rules.ZERO_POINTS_NEED_THEIR_SCALE_DTYPE,),
+    "group_size": rules.GROUP_RULES,
+}
 
 
-def _can_skip_summaries(knobs: Mapping[str, Any]) -> bool:
-    """Whether a draw may drop the summaries (KVPolicy's rule): only selection on an index pool
-    (key bounds or means) reads older blocks then. Elsewhere csa_summary falls back to the
-    default pooling."""
-    return knobs["csa_topk"] > 0 and knobs["csa_index"] in POOLED_INDEXES
+def _keeps(fields: Mapping[str, Any], knob_rules: Iterable[Rule]) -> bool:
+    return all(rule.holds(fields) for rule in knob_rules)
 
 
-def _can_scale_keys_per_channel(knobs: Mapping[str, Any]) -> bool:
-    """Whether per-channel keys combine with the compression drawn (KVPolicy's rule): without
-    compression, or without summaries and with key bounds in a separate index. Elsewhere
-    k_scale_axis falls back to token."""
-    if knobs["csa_ratio"] == 1:
-        return True
-    return knobs["csa_summary"] == NO_SUMMARY and knobs["csa_index_dtype"] != INDEX_IN_LAYER_FORMAT
-
-
-def _fit_integer_scales(
-    knobs: dict[str, Any], pairs: Sequence[str], candidates: Mapping[str, tuple[Any, ...]]
+def _fall_back(
+    fields: ChainMap[str, Any], name: str, fallbacks: Iterable[Any], knob_rules: Sequence[Rule]
 ) -> None:
-    """Integer formats keep a zero point per group in the scale (KVPolicy's rule): a draw that
-    gives them a scale dtype without zero points (E4M3) takes the first candidate with them,
-    and one that gives them a per-tensor group where they use it (values, token-scaled keys)
-    takes the smallest group size candidate. So a space may list every dtype beside every
-    scale setting and each draw stays valid (`SearchConfig` checks such candidates exist)."""
-    keys = {pair.split("/")[0] for pair in pairs} & set(ZERO_POINT_DTYPES)
-    values = {pair.split("/")[1] for pair in pairs} & set(ZERO_POINT_DTYPES)
-    if (keys or values) and knobs["scale_dtype"] not in ZERO_POINT_SCALE_DTYPES:
-        knobs["scale_dtype"] = next(
-            s for s in candidates["scale_dtype"] if s in ZERO_POINT_SCALE_DTYPES
-        )
-    grouped = values or (keys and knobs["k_scale_axis"] == "token")
-    if grouped and knobs["group_size"] == PER_TENSOR:
-        knobs["group_size"] = min(g for g in candidates["group_size"] if g != PER_TENSOR)
+    """Where a draw breaks one of `knob_rules`, knob `name` takes the first of `fallbacks`
+    that keeps them all (SearchConfig makes sure one does), so every draw stays valid."""
+    if not _keeps(fields, knob_rules):
+        fields[name] = next(v for v in fallbacks if _keeps(fields.new_child({name: v}), knob_rules))
 
 
 def _candidates(name: str, value: object) -> tuple[Any, ...]:
@@ -160,14 +124,34 @@ def _candidates(name: str, value: object) -> tuple[Any, ...]:
     return values
 
 
-def _check_each(name: str, values: tuple[Any, ...], ok: Any, allowed: str) -> None:
+def _check_each(name: str, values: tuple[Any, ...], check: Callable[[Any], object]) -> None:
+    """Each candidate through a policy check, refused under the space's knob name."""
     for value in values:
-        if not ok(value):
-            raise ConfigError(_field(name), value, allowed)
+        try:
+            check(value)
+        except ConfigError as error:
+            raise ConfigError(_field(name), value, error.allowed) from None
+
+
+def _as_the_policy_writes(name: str, value: Any) -> None:
+    """A candidate the policy field accepts as it is (the space draws it as written)."""
+    checked = KVPolicy.checked_field(name, value)
+    if checked != value:
+        raise ConfigError(_field(name), value, f"{checked!r}, as the policy writes it")
 
 
 def _is_int(value: object, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _check_share(share: object) -> None:
+    """csa_topk_share, the space's own knob: the share of csa_topk a layer group reads."""
+    if isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1:
+        raise ConfigError(
+            _field("csa_topk_share"),
+            share,
+            "a number in [0, 1] (the share of csa_topk a layer group reads; 0 = none)",
+        )
 
 
 @dataclass(frozen=True)
@@ -200,7 +184,7 @@ class SearchConfig:
         k_dtypes = _candidates("k_dtype", data["k_dtype"])
         v_dtypes = _candidates("v_dtype", data["v_dtype"])
         for name, dtypes in (("k_dtype", k_dtypes), ("v_dtype", v_dtypes)):
-            _check_each(name, dtypes, lambda d: d in KV_DTYPES, f"one of {', '.join(KV_DTYPES)}")
+            _check_each(name, dtypes, lambda d, name=name: _as_the_policy_writes(name, d))
         groups = data["layer_groups"]
         if groups != ALL_LAYERS and not (_is_int(groups, 1) and groups <= arch.num_layers):
             raise ConfigError(
@@ -210,133 +194,47 @@ class SearchConfig:
             )
         config = cls(knobs, tuple(k_dtypes), tuple(v_dtypes), groups)
         config._check_knobs(arch)
-        config._check_integer_pairings()
+        config._check_fallbacks()
         return config
 
-    def _check_integer_pairings(self) -> None:
-        """Integer dtypes keep a zero point per group in the scale: a space listing them needs
-        a scale dtype candidate with zero points and a group size candidate for draws to fall
-        back to (`_fit_integer_scales`)."""
-        k = self.knobs
-        has_zero_point_scale = any(s in ZERO_POINT_SCALE_DTYPES for s in k["scale_dtype"])
-        has_group = any(g != PER_TENSOR for g in k["group_size"])
-        for name, dtypes in (("k_dtype", self.k_dtypes), ("v_dtype", self.v_dtypes)):
-            integer = [d for d in dtypes if d in ZERO_POINT_DTYPES]
-            if integer and not (has_zero_point_scale and has_group):
-                raise ConfigError(
-                    _field(name),
-                    list(dtypes),
-                    f"no {', '.join(integer)} unless scale_dtype lists one of "
-                    f"{', '.join(ZERO_POINT_SCALE_DTYPES)} and group_size lists a size "
-                    "(integer formats keep zero points in group scales)",
-                )
-
     def _check_knobs(self, arch: ModelArch) -> None:
-        k = self.knobs
-        size = arch.cached_vector_size
-        group_ok = [g for g in (8, 16, 32, 64, 128) if size % g == 0] + [PER_TENSOR]
+        """Each candidate as the policy checks its field, group sizes and rotations as the model
+        checks them; then the static rules over every combination of candidates."""
+        for name, candidates in self.knobs.items():
+            if name not in SPACE_DEFAULTS:  # a policy field
+                _check_each(name, candidates, lambda v, name=name: _as_the_policy_writes(name, v))
+        for share in self.knobs["csa_topk_share"]:
+            _check_share(share)
         _check_each(
             "group_size",
-            k["group_size"],
-            lambda g: g == PER_TENSOR or (_is_int(g, 1) and size % g == 0),
-            f"divisors of head_dim={size}: {', '.join(map(str, group_ok))}",
+            self.knobs["group_size"],
+            lambda g: check_group_size("group_size", g, arch),
         )
-        _check_each(
-            "scale_dtype",
-            k["scale_dtype"],
-            SCALE_DTYPES.__contains__,
-            f"one of {', '.join(SCALE_DTYPES)}",
-        )
-        _check_each(
-            "k_scale_axis",
-            k["k_scale_axis"],
-            K_SCALE_AXES.__contains__,
-            f"one of {', '.join(K_SCALE_AXES)}",
-        )
-        _check_each(
-            "rotation",
-            k["rotation"],
-            lambda r: r in ROTATION_NAMES and (r == NO_ROTATION or is_power_of_two(size)),
-            f"one of {', '.join(ROTATION_NAMES)} (hadamard needs a power-of-two head_dim, the "
-            f"model's is {size})",
-        )
-        for name in ("recent_unquantized", "csa_sinks"):
-            _check_each(name, k[name], lambda v: _is_int(v, 0), "integers >= 0 (tokens)")
-        _check_each(
-            "csa_topk", k["csa_topk"], lambda v: _is_int(v, 0), "integers >= 0 (blocks; 0 = none)"
-        )
-        _check_each(
-            "csa_topk_share",
-            k["csa_topk_share"],
-            lambda s: isinstance(s, int | float) and not isinstance(s, bool) and 0 <= s <= 1,
-            "numbers in [0, 1] (the share of csa_topk a layer group reads; 0 = none)",
-        )
-        _check_each(
-            "csa_index",
-            k["csa_index"],
-            CSA_INDEXES.__contains__,
-            f"one of {', '.join(CSA_INDEXES)}",
-        )
-        _check_each(
-            "csa_index_dtype",
-            k["csa_index_dtype"],
-            CSA_INDEX_DTYPES.__contains__,
-            f"one of {', '.join(CSA_INDEX_DTYPES)}",
-        )
-        _check_each(
-            "csa_staging",
-            k["csa_staging"],
-            CSA_STAGINGS.__contains__,
-            f"one of {', '.join(CSA_STAGINGS)}",
-        )
-        _check_each(
-            "csa_select_every",
-            k["csa_select_every"],
-            lambda v: _is_int(v, 1),
-            "integers >= 1 (positions a selection serves; 1 = every query selects)",
-        )
-        _check_each(
-            "csa_keep",
-            k["csa_keep"],
-            lambda f: (
-                isinstance(f, int | float) and not isinstance(f, bool) and f in KEEP_FRACTIONS
-            ),
-            f"values from {', '.join(f'{f:g}' for f in KEEP_FRACTIONS)}",
-        )
-        _check_each(
-            "csa_summary",
-            k["csa_summary"],
-            CSA_SUMMARIES.__contains__,
-            f"one of {', '.join(CSA_SUMMARIES)}",
-        )
-        _check_each(
-            "block_size",
-            k["block_size"],
-            lambda b: _is_int(b, 1) and b in BLOCK_SIZES,
-            f"values from {', '.join(map(str, BLOCK_SIZES))}",
-        )
-        smallest, largest = min(k["block_size"]), max(k["block_size"])
-        _check_each(
-            "csa_ratio",
-            k["csa_ratio"],
-            lambda r: _is_int(r, 1) and r & (r - 1) == 0 and r <= smallest,
-            f"powers of two <= the smallest block_size candidate ({smallest})",
-        )
-        if max(k["csa_ratio"]) > 1:
-            _check_each(
-                "csa_window",
-                k["csa_window"],
-                lambda w: _is_int(w, largest),
-                f"integers >= the largest block_size candidate ({largest}) when csa_ratio > 1",
-            )
-        else:
-            _check_each("csa_window", k["csa_window"], lambda w: _is_int(w, 0), "integers >= 0")
-        _check_each(
-            "chunk_size",
-            k["chunk_size"],
-            lambda c: _is_int(c, 1) and c % largest == 0,
-            f"multiples of every block_size candidate (of {largest}), so pages stay aligned",
-        )
+        _check_each("rotation", self.knobs["rotation"], lambda r: check_rotation(r, arch))
+        for rule in STATIC_RULES:
+            for combination in itertools.product(*(self.knobs[name] for name in rule.reads)):
+                fields = dict(zip(rule.reads, combination, strict=True))
+                if not rule.holds(fields):
+                    raise rule.error(fields, section="search")
+
+    def _check_fallbacks(self) -> None:
+        """A draw whose formats break a scale rule takes another scale_dtype or group_size
+        candidate (`SearchSpace.policy`): each K and V dtype candidate needs one that it
+        allows."""
+        for name, dtypes in (("k_dtype", self.k_dtypes), ("v_dtype", self.v_dtypes)):
+            for dtype, (knob, knob_rules) in itertools.product(dtypes, FORMAT_FALLBACKS.items()):
+                drawn = [
+                    ChainMap({name: dtype, knob: candidate}, vars(_DEFAULTS))
+                    for candidate in self.knobs[knob]
+                ]
+                if not any(_keeps(fields, knob_rules) for fields in drawn):
+                    broken = next(rule for rule in knob_rules if not rule.holds(drawn[0]))
+                    raise ConfigError(
+                        _field(name),
+                        list(dtypes),
+                        f"no {dtype} unless {knob} lists a candidate it allows: "
+                        f"{broken.error(drawn[0]).allowed}",
+                    )
 
     @property
     def needs_sensitivity(self) -> bool:
@@ -392,12 +290,17 @@ class SearchSpace:
         return self.policy(values)
 
     def policy(self, params: Mapping[str, Any]) -> KVPolicy:
-        """The canonical policy of a set of params (missing params take the fixed values)."""
+        """The canonical policy of a set of params (missing params take the fixed values).
+
+        Where the draw breaks a policy rule, a knob gives way: to its policy default (csa_host to
+        true, where selection needs the host tier), or, for a format's scales, to the first
+        scale_dtype and the smallest group_size candidate that keep the rule. Each rule reads
+        the knobs settled before it."""
         knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
         fixed_share = knobs.pop("csa_topk_share")  # not a policy field: drawn per group
         shares = [params.get(f"csa_topk_share_g{i}", fixed_share) for i in range(len(self.groups))]
-        if knobs["csa_ratio"] == 1:
-            knobs["csa_topk"] = 0  # nothing compressed, nothing to select
+        fields = ChainMap(knobs, vars(_DEFAULTS))  # what the rules read: the draw, else defaults
+        _fall_back(fields, "csa_topk", [_DEFAULTS.csa_topk], [rules.SELECTION_NEEDS_COMPRESSION])
         budgets = [math.ceil(knobs["csa_topk"] * share) for share in shares]
         knobs["csa_topk"] = max(budgets)
         every = [  # a group that selects nothing reuses nothing
@@ -405,17 +308,15 @@ class SearchSpace:
             for i, budget in enumerate(budgets)
         ]
         knobs["csa_select_every"] = max(every)
-        knobs["csa_host"] = knobs["csa_topk"] > 0  # selected blocks come from the host tier
-        if not knobs["csa_host"]:
-            knobs["csa_staging"] = _DEFAULTS.csa_staging  # only selection fetches into staging
-        if not _can_keep(knobs):
-            knobs["csa_keep"] = 0.0
-        if knobs["csa_summary"] == NO_SUMMARY and not _can_skip_summaries(knobs):
-            knobs["csa_summary"] = _DEFAULTS.csa_summary
-        if not _can_skip_summaries(knobs):
-            knobs["csa_index_dtype"] = INDEX_IN_LAYER_FORMAT  # only an index pool uses it
-        if not _can_scale_keys_per_channel(knobs):
-            knobs["k_scale_axis"] = "token"  # channel scales need whole blocks, not summaries
+        _fall_back(fields, "csa_host", [True], [rules.SELECTION_NEEDS_THE_HOST_TIER])
+        for name, knob_rules in (
+            ("csa_staging", [rules.STREAMED_STAGING_NEEDS_SELECTION]),
+            ("csa_keep", rules.KEEP_RULES),
+            ("csa_summary", [rules.NO_SUMMARIES_NEED_AN_INDEX_POOL]),
+            ("csa_index_dtype", [rules.INDEX_DTYPE_NEEDS_AN_INDEX_POOL]),
+            ("k_scale_axis", [rules.CHANNEL_KEYS_NEED_WHOLE_BLOCKS]),
+        ):
+            _fall_back(fields, name, [getattr(_DEFAULTS, name)], knob_rules)
         pairs = [""] * self.num_layers
         layer_topk = [0] * self.num_layers
         layer_every = [1] * self.num_layers
@@ -426,11 +327,15 @@ class SearchSpace:
                 pairs[layer] = f"{k}/{v}"
                 layer_topk[layer] = budgets[index]
                 layer_every[layer] = every[index]
-        _fit_integer_scales(knobs, pairs, self.config.knobs)
+        knobs["layer_dtypes"] = tuple(pairs)
+        scales = self.config.knobs["scale_dtype"]
+        groups = sorted(g for g in self.config.knobs["group_size"] if g != PER_TENSOR)
+        _fall_back(fields, "scale_dtype", scales, FORMAT_FALLBACKS["scale_dtype"])
+        _fall_back(fields, "group_size", groups, FORMAT_FALLBACKS["group_size"])
         if knobs["csa_topk"]:
             knobs["layer_csa_topk"] = tuple(layer_topk)
             knobs["layer_csa_select_every"] = tuple(layer_every)
-        return canonical(KVPolicy.from_dict(knobs).replace(layer_dtypes=tuple(pairs)))
+        return canonical(KVPolicy.from_dict(knobs))
 
     def warm_starts(self) -> dict[str, dict[str, Any]]:
         """Params of the standard starting points that this space can express.
@@ -515,63 +420,3 @@ class SearchSpace:
             if all(value in distributions[p].choices for p, value in expressible.items()):
                 starts[name] = expressible
         return starts
-
-
-def canonical(policy: KVPolicy) -> KVPolicy:
-    """One representative of policies that store and compute the same cache.
-
-    Scale settings, the rotation and the unquantized recent window mean nothing without a
-    quantized stream
-    (the group size becomes "tensor", the one value every head_dim accepts), the key scale axis
-    nothing without a quantized key stream, the CSA window, sinks, summary pooling and
-    selection nothing without compression (the selection index nothing without selection,
-    the pooling ratio nothing without summaries), and
-    per-layer pairs, or per-layer selection budgets, that are all equal are the plain fields.
-    Canonical policies make equal trials hit the same cache entry.
-    """
-    pairs = policy.layer_dtypes or (f"{policy.k_dtype}/{policy.v_dtype}",)
-    changes: dict[str, Any] = {}
-    if len(set(pairs)) == 1:
-        k, v = pairs[0].split("/")
-        changes.update(k_dtype=k, v_dtype=v, layer_dtypes=None)
-    else:
-        changes.update(k_dtype=_DEFAULTS.k_dtype, v_dtype=_DEFAULTS.v_dtype)
-    if not any(d in QUANTIZED_DTYPES for pair in pairs for d in pair.split("/")):
-        changes.update(
-            group_size=PER_TENSOR,
-            scale_dtype=_DEFAULTS.scale_dtype,
-            recent_unquantized=_DEFAULTS.recent_unquantized,
-            rotation=NO_ROTATION,
-        )
-    keys_quantized = any(pair.split("/")[0] in QUANTIZED_DTYPES for pair in pairs)
-    values_quantized = any(pair.split("/")[1] in QUANTIZED_DTYPES for pair in pairs)
-    if not keys_quantized:
-        changes.update(k_scale_axis=_DEFAULTS.k_scale_axis)
-    elif policy.k_scale_axis == "channel" and not values_quantized:
-        changes.update(group_size=PER_TENSOR)  # channel keys ignore it, no value uses it
-    if policy.layer_csa_topk is not None and len(set(policy.layer_csa_topk)) == 1:
-        changes.update(layer_csa_topk=None)
-    if policy.layer_csa_select_every is not None and len(set(policy.layer_csa_select_every)) == 1:
-        changes.update(layer_csa_select_every=None)
-    if not policy.compressed:
-        changes.update(
-            csa_window=_DEFAULTS.csa_window,
-            csa_sinks=_DEFAULTS.csa_sinks,
-            csa_summary=_DEFAULTS.csa_summary,
-            csa_topk=0,
-            layer_csa_topk=None,
-            csa_host=False,
-            csa_keep=0.0,
-        )
-    if not policy.selects:
-        changes.update(
-            csa_index=_DEFAULTS.csa_index,
-            csa_staging=_DEFAULTS.csa_staging,
-            csa_select_every=1,
-            layer_csa_select_every=None,
-        )
-    if not policy.pooled_index:
-        changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)
-    if policy.compressed and not policy.summarises:
-        changes.update(csa_ratio=2)  # nothing is pooled: every ratio is the same policy
-    return policy.replace(**changes)

@@ -40,12 +40,12 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback, fail_s
 from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.autotune.config.engine_presets import preset_names
-from kvtune.autotune.search.space import SearchConfig, SearchSpace, canonical
+from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.autotune.study.objectives import Constraints, TrialFailure, directions
 from kvtune.autotune.study.recipe import recipe_differences
 from kvtune.autotune.study.sqlite_locking import lock_sqlite_transactions
 from kvtune.runtime.errors import ConfigError
-from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.policy import KVPolicy, canonical
 
 logger = logging.getLogger(__name__)
 
