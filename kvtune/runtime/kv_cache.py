@@ -55,26 +55,12 @@ from kvtune.kernels.formats.rotation import (
 from kvtune.kernels.selection.blocks import select_blocks, write_key_bounds, write_key_means
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import CacheOps
-from kvtune.runtime.block_manager import (
-    HOST,
-    INDEX,
-    MAIN,
-    RECENT,
-    STAGE,
-    Block,
-    BlockCopy,
-    BlockManager,
-    SequenceKV,
-)
+from kvtune.runtime.block_manager import Block, BlockCopy, BlockManager, SequenceKV
 from kvtune.runtime.clip_counter import ClipCounter, range_limit
 from kvtune.runtime.kept_blocks import KeptBlocks
-from kvtune.runtime.kv_bytes import (
-    layer_block_bytes,
-    layer_formats,
-    selecting_layers,
-    streamed_block_bytes,
-)
+from kvtune.runtime.kv_bytes import layer_block_bytes, layer_formats
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import HOST, INDEX, MAIN, RECENT, STAGE
 from kvtune.runtime.select_anchors import AnchorPlan, plan_anchors, scoring_queries
 
 
@@ -147,22 +133,6 @@ def layer_rotations(
         else None
         for layer, formats in enumerate(layer_formats(arch, policy))
     ]
-
-
-def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
-    """Bytes one block id costs across all layers, for each device block kind (an index
-    block only in the layers that select)."""
-    formats = layer_formats(arch, policy)
-    indexed = [
-        f for f, selects in zip(formats, selecting_layers(arch, policy), strict=True) if selects
-    ]
-    bs = policy.block_size
-    return {
-        MAIN: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in formats),
-        RECENT: sum(layer_block_bytes(arch, f.k_recent, f.v_recent, bs) for f in formats),
-        INDEX: sum(layer_block_bytes(arch, f.k_index, f.v_index, bs) for f in indexed),
-        STAGE: streamed_block_bytes(arch, policy),
-    }
 
 
 class KVCache:

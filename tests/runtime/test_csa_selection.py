@@ -14,9 +14,9 @@ import torch
 
 import kvtune.runtime.engine as engine_module
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import HOST, MAIN
 from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import HOST, MAIN
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8
