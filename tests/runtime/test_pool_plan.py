@@ -9,8 +9,8 @@ import pytest
 from kvtune.runtime import LLM
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.host_fetch import HostFetch
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
-from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
 from kvtune.runtime.pool_kinds import HOST, INDEX, MAIN, POOL_KINDS, RECENT, STAGE
 from kvtune.runtime.pool_plan import PoolLimits, plan_pools
@@ -222,7 +222,7 @@ def test_a_prefill_from_a_host_tier_off_the_device_copies_at_most_the_planned_sc
     policy = TINY_SELECTING.replace(chunk_size=64)
     llm = LLM(str(tiny_llama), policy, max_model_len=64, max_num_seqs=3, max_num_batched_tokens=128)
     scratch_bytes = []
-    fetch_for_prefill = KVCache._fetch_for_prefill
+    fetch_for_prefill = HostFetch.fetch_for_prefill
 
     def recording(self, layer, host):
         scratch = fetch_for_prefill(self, layer, host)
@@ -230,8 +230,8 @@ def test_a_prefill_from_a_host_tier_off_the_device_copies_at_most_the_planned_sc
         scratch_bytes.append(sum(t.nbytes for t in tensors if t is not None))
         return scratch
 
-    monkeypatch.setattr(KVCache, "_host_is_remote", lambda self, host: True)
-    monkeypatch.setattr(KVCache, "_fetch_for_prefill", recording)
+    monkeypatch.setattr(HostFetch, "host_is_remote", lambda self, host: True)
+    monkeypatch.setattr(HostFetch, "fetch_for_prefill", recording)
     llm.generate([random_tokens(64, seed=1), random_tokens(64, seed=2)], max_new_tokens=0)
     # fp8 in groups of 16 with fp16 scales: 32 code bytes and 2 scales a vector of 32.
     layer_block = 8 * 2 * 2 * (32 + 2 * 2)
