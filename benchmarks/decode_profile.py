@@ -26,10 +26,12 @@ from typing import Any
 import torch
 from rich.console import Console
 
+import kvtune.runtime.block_selection as block_selection
 import kvtune.runtime.kv_cache as kv_cache
 from benchmarks.compression import DECODE_HEADROOM, POLICIES
 from benchmarks.decoding import finish_running, random_prompts, start_decoding
 from benchmarks.tables import print_rows
+from kvtune.runtime.host_fetch import HostFetch
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -42,8 +44,8 @@ STAGES = [
     ("  attention", None, "attention"),
     ("  cache write", None, "write_kv"),
     ("  maintenance copies", kv_cache.KVCache, "_run_copies"),
-    ("  block scoring and choice", kv_cache, "select_blocks"),
-    ("  host-tier fetch", kv_cache.KVCache, "_fetch"),
+    ("  block scoring and choice", block_selection, "select_blocks"),
+    ("  host-tier fetch", HostFetch, "fetch"),
     ("  rotations", kv_cache, "rotate"),
     ("  rotations", kv_cache, "rotate_queries"),
     ("  rotations", kv_cache, "unrotate"),

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-import kvtune.runtime.kv_cache as kv_cache
+import kvtune.runtime.block_selection as block_selection
 from benchmarks.compression import POLICIES
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.task_files import generate_rows
@@ -32,18 +32,18 @@ from kvtune.runtime.tokenizer import Tokenizer
 def recorded_selections() -> Iterator[list[torch.Tensor]]:
     """Each select_blocks call's choice for the last query of its step ([KV heads, blocks])."""
     calls: list[torch.Tensor] = []
-    select = kv_cache.select_blocks
+    select = block_selection.select_blocks
 
     def recording(*args, **kwargs):
         chosen = select(*args, **kwargs)
         calls.append(chosen[-1].clone())
         return chosen
 
-    kv_cache.select_blocks = recording
+    block_selection.select_blocks = recording
     try:
         yield calls
     finally:
-        kv_cache.select_blocks = select
+        block_selection.select_blocks = select
 
 
 def key_blocks(text: str, key: str, tokenizer: Tokenizer, sinks: int, block_size: int) -> range:

@@ -39,17 +39,10 @@ from typing import TYPE_CHECKING
 
 from kvtune.runtime.kv_bytes import ceil_div, compressed_blocks, exact_extents, sequence_blocks
 from kvtune.runtime.policy import KEEP_GROUP, KVPolicy
+from kvtune.runtime.pool_kinds import HOST, INDEX, MAIN, RECENT, STAGE
 
 if TYPE_CHECKING:
     import torch
-
-MAIN = "main"
-RECENT = "recent"
-HOST = "host"
-INDEX = "index"
-STAGE = "stage"
-# The pools that live on the device (the host tier does not).
-DEVICE_KINDS = (MAIN, RECENT, INDEX, STAGE)
 
 
 class BlockPool:

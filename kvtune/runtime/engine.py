@@ -1,8 +1,9 @@
 """The engine loop: schedule a batch, run the model over the paged cache, sample, repeat.
 
 One step serves decodes and prefill chunks together (continuous batching). The engine sizes
-the pools from a byte budget with the shared arithmetic, refuses settings that cannot hold one
-full-length sequence before allocating anything, and keeps per-request and engine-wide metrics.
+the pools from a byte budget with the planner's sizing (kvtune/runtime/pool_plan.py), refuses
+settings that cannot hold one full-length sequence before allocating anything, and keeps
+per-request and engine-wide metrics.
 """
 
 from __future__ import annotations
@@ -19,20 +20,13 @@ import torch
 
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import CacheOps
-from kvtune.runtime.block_manager import (
-    DEVICE_KINDS,
-    INDEX,
-    MAIN,
-    RECENT,
-    STAGE,
-    BlockManager,
-    SequenceKV,
-)
+from kvtune.runtime.block_manager import BlockManager, SequenceKV
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.host_memory import keep_freed_host_memory
-from kvtune.runtime.kv_bytes import ceil_div, sequence_blocks
-from kvtune.runtime.kv_cache import KVCache, block_bytes
+from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import DEVICE_KINDS, HOST, INDEX, MAIN, RECENT, STAGE
+from kvtune.runtime.pool_plan import PoolLimits, PoolPlan, plan_pools
 from kvtune.runtime.scheduler import ScheduledSequence, Scheduler
 from kvtune.runtime.sequence import RequestMetrics, Sequence
 
@@ -67,79 +61,19 @@ class EngineConfig:
     seed: int = 0
 
 
-def recent_pool_blocks(policy: KVPolicy, max_num_seqs: int, step_tokens: int) -> int:
-    """fp16 recent blocks: each sequence's last recent_unquantized tokens (two streams may
-    share them) plus this step's new tokens before they are moved."""
-    if not policy.recent_tail:
-        return 0
-    bs = policy.block_size
-    return max_num_seqs * (ceil_div(policy.recent_unquantized, bs) + 3) + ceil_div(step_tokens, bs)
-
-
-def main_blocks_for_one_sequence(policy: KVPolicy, max_model_len: int, step_tokens: int) -> int:
-    """Main-pool blocks the longest sequence needs at its peak within a step."""
-    longest = sequence_blocks(policy, max_model_len)
-    return longest.main + ceil_div(step_tokens, policy.block_size) + 1
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    main_blocks: int
-    recent_blocks: int
-    step_tokens: int
-    host_blocks: int = 0
-    index_blocks: int = 0
-    stage_blocks: int = 0
-
-
-def host_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
-    """Host-tier blocks: every pooled block of max_num_seqs full-length sequences (0 for a
-    policy that does not select). Host memory is not the scarce resource the device budget is,
-    so the tier is sized to never refuse a sequence the device pools admit."""
-    if not policy.selects:
-        return 0
-    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).host
-
-
-def index_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
-    """Index pool blocks (key bounds or means): those of max_num_seqs full-length sequences.
-    They cost 1 / block_size of the host tier's block count, so they are reserved whole,
-    beside the main pool, rather than competing with it."""
-    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).index
-
-
-def stage_pool_blocks(policy: KVPolicy, config: EngineConfig) -> int:
-    """Streamed staging blocks (each a block of every distinct layer format): those of
-    max_num_seqs full-length sequences, reserved whole beside the main pool like the index."""
-    return config.max_num_seqs * sequence_blocks(policy, config.max_model_len).streamed
-
-
-def pool_sizes(arch: ModelArch, policy: KVPolicy, config: EngineConfig) -> PoolSizes:
-    """Blocks of each pool for the budget; refuses a budget below one full-length sequence.
-
-    Cheap (arithmetic only), so callers run it before loading any weights.
-    """
-    step_tokens = config.max_num_batched_tokens or policy.chunk_size
-    sizes = block_bytes(arch, policy)
-    recent = recent_pool_blocks(policy, config.max_num_seqs, step_tokens)
-    one_sequence = main_blocks_for_one_sequence(policy, config.max_model_len, step_tokens)
-    index = index_pool_blocks(policy, config)
-    stage = stage_pool_blocks(policy, config)
-    reserved = recent * sizes[RECENT] + index * sizes[INDEX] + stage * sizes[STAGE]
-    budget = config.kv_budget_bytes
-    if budget is None:
-        budget = config.max_num_seqs * one_sequence * sizes[MAIN] + reserved
-    main = (budget - reserved) // sizes[MAIN]
-    if main < one_sequence:
-        needed = one_sequence * sizes[MAIN] + reserved
-        raise ConfigError(
-            "kv_budget_bytes",
-            budget,
-            f">= {needed} bytes: one {config.max_model_len}-token sequence under this policy "
-            "(raise the budget, lower max_model_len, or quantize/compress more)",
-        )
-    host = host_pool_blocks(policy, config)
-    return PoolSizes(main, recent, step_tokens, host, index, stage)
+def engine_pools(
+    arch: ModelArch, policy: KVPolicy, config: EngineConfig, device: torch.device
+) -> PoolPlan:
+    """The pools for config on device (kvtune/runtime/pool_plan.py); refuses a budget below one
+    full-length sequence. Arithmetic only, so callers run it before loading any weights. The
+    host tier lives in host memory, off any device but the CPU."""
+    limits = PoolLimits(
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len,
+        step_tokens=config.max_num_batched_tokens or policy.chunk_size,
+        host_tier_remote=device.type != "cpu",
+    )
+    return plan_pools(arch, policy, limits, config.kv_budget_bytes)
 
 
 class Engine:
@@ -160,20 +94,15 @@ class Engine:
         self.policy = policy
         self.config = config
         self.device = device
-        sizes = pool_sizes(arch, policy, config)
+        self.pools = engine_pools(arch, policy, config, device)
         keep_freed_host_memory()  # the host tier and the torch path's temporaries live there
-        self.block_bytes = block_bytes(arch, policy)
+        counts = self.pools.blocks
         self.blocks = BlockManager(
-            policy,
-            sizes.main_blocks,
-            sizes.recent_blocks,
-            sizes.host_blocks,
-            sizes.index_blocks,
-            sizes.stage_blocks,
+            policy, counts[MAIN], counts[RECENT], counts[HOST], counts[INDEX], counts[STAGE]
         )
         self.cache = KVCache(arch, policy, self.blocks, ops, tensor_scales, device, model.inv_freq)
         self.scheduler = Scheduler(
-            self.blocks, config.max_num_seqs, sizes.step_tokens, config.scheduling
+            self.blocks, config.max_num_seqs, self.pools.limits.step_tokens, config.scheduling
         )
         self.scale = 1.0 / math.sqrt(arch.head_dim)
         self.generator = torch.Generator(device="cpu").manual_seed(config.seed)
@@ -183,8 +112,8 @@ class Engine:
         self._prompt_logits: dict[int, tuple[int, dict[int, torch.Tensor]]] = {}
         logger.info(
             "KV pools: %d main blocks, %d recent blocks, %.1f MiB",
-            sizes.main_blocks,
-            sizes.recent_blocks,
+            counts[MAIN],
+            counts[RECENT],
             self.cache.allocated_bytes / 2**20,
         )
 
@@ -229,7 +158,7 @@ class Engine:
 
     def _held_bytes(self, kv: SequenceKV) -> int:
         held = self.blocks.held(kv)
-        return sum(held[kind] * self.block_bytes[kind] for kind in DEVICE_KINDS)
+        return sum(held[kind] * self.pools.block_bytes[kind] for kind in DEVICE_KINDS)
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -373,7 +302,7 @@ class Engine:
     def _filled_bytes(self, kv: SequenceKV) -> int:
         """Bytes of the slots that hold a vector (blocks minus their unused tail slots)."""
         bs = self.policy.block_size
-        per_slot = {kind: size // bs for kind, size in self.block_bytes.items()}
+        per_slot = {kind: size // bs for kind, size in self.pools.block_bytes.items()}
         filled = kv.num_summaries * per_slot[MAIN]
         for stream in (kv.sinks, kv.window):
             for index, block in enumerate(stream.blocks):

@@ -1,7 +1,8 @@
-"""KV-cache byte arithmetic shared by the planner and the runtime's allocator.
+"""KV-cache byte arithmetic: one sequence's blocks in each pool, and one block's bytes.
 
-The runtime sizes its pools and counts a sequence's blocks with these functions, and the planner
-reports the same numbers, so the two cannot disagree. Units: bytes and tokens.
+The block manager holds exactly the layout below, kvtune/runtime/pool_plan.py sizes the
+engine's pools from it, and the planner and the tuner report its per-sequence bytes, so none
+of them can disagree. Units: bytes and tokens.
 
 Physical layout of one sequence of T tokens (DESIGN.md sections 1 and 3):
 - without compression (csa_ratio 1): one exact stream of T tokens;
@@ -40,6 +41,7 @@ from dataclasses import dataclass
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.policy import INDEX_GROUP, KEEP_GROUP, KVPolicy
+from kvtune.runtime.pool_kinds import DEVICE_KINDS, HOST, INDEX, MAIN, RECENT, STAGE
 
 RECENT_DTYPE = "fp16"
 
@@ -79,6 +81,16 @@ class SequenceBlocks:
     def total(self) -> int:
         """Device blocks of every kind."""
         return self.main + self.recent + self.index + self.streamed
+
+    def by_pool(self) -> dict[str, int]:
+        """Blocks held in each pool (pool_kinds)."""
+        return {
+            MAIN: self.main,
+            RECENT: self.recent,
+            INDEX: self.index,
+            STAGE: self.streamed,
+            HOST: self.host,
+        }
 
 
 def exact_extents(policy: KVPolicy, num_tokens: int) -> list[StreamExtent]:
@@ -220,44 +232,34 @@ def selecting_layers(arch: ModelArch, policy: KVPolicy) -> list[bool]:
     return [topk > 0 for topk in policy.layer_topk(arch.num_layers)]
 
 
+def block_bytes(arch: ModelArch, policy: KVPolicy) -> dict[str, int]:
+    """Bytes one block id of each pool costs across all layers (pool_kinds): the layers'
+    formats in the main pool, fp16 in the recent one, the index and the host tier only in the
+    layers that select, and in a streamed staging pool one block of each distinct layer format
+    (layers of one format fill the same pool in turn)."""
+    bs = policy.block_size
+    formats = layer_formats(arch, policy)
+    selecting = [f for f, s in zip(formats, selecting_layers(arch, policy), strict=True) if s]
+    return {
+        MAIN: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in formats),
+        RECENT: sum(layer_block_bytes(arch, f.k_recent, f.v_recent, bs) for f in formats),
+        INDEX: sum(layer_block_bytes(arch, f.k_index, f.v_index, bs) for f in selecting),
+        STAGE: sum(layer_block_bytes(arch, k, v, bs) for k, v in {(f.k, f.v) for f in formats}),
+        HOST: sum(layer_block_bytes(arch, f.k, f.v, bs) for f in selecting),
+    }
+
+
 def kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Device bytes the paged cache holds for one sequence of num_tokens tokens, all layers
     (the staging pool included, the host tier not)."""
-    blocks = sequence_blocks(policy, num_tokens)
-    bs = policy.block_size
-    total = 0
-    formats = layer_formats(arch, policy)
-    for f, selects in zip(formats, selecting_layers(arch, policy), strict=True):
-        layer_block = layer_block_bytes(arch, f.k, f.v, bs)
-        recent_block = layer_block_bytes(arch, f.k_recent, f.v_recent, bs)
-        total += blocks.main * layer_block + blocks.recent * recent_block
-        if selects:
-            total += blocks.index * layer_block_bytes(arch, f.k_index, f.v_index, bs)
-    return total + blocks.streamed * streamed_block_bytes(arch, policy)
-
-
-def streamed_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
-    """Bytes of one block of a streamed staging pool: one block of each distinct layer format
-    (layers of one format fill the same pool in turn)."""
-    distinct = {(f.k, f.v) for f in layer_formats(arch, policy)}
-    return sum(layer_block_bytes(arch, k, v, policy.block_size) for k, v in distinct)
-
-
-def host_block_bytes(arch: ModelArch, policy: KVPolicy) -> int:
-    """Bytes of one host-tier block: a block in the layers' own formats, summed over the layers
-    that select."""
-    bs = policy.block_size
-    formats = layer_formats(arch, policy)
-    return sum(
-        layer_block_bytes(arch, f.k, f.v, bs)
-        for f, selects in zip(formats, selecting_layers(arch, policy), strict=True)
-        if selects
-    )
+    held = sequence_blocks(policy, num_tokens).by_pool()
+    sizes = block_bytes(arch, policy)
+    return sum(held[kind] * sizes[kind] for kind in DEVICE_KINDS)
 
 
 def host_kv_bytes_per_sequence(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:
     """Host-tier bytes of one sequence of num_tokens tokens, all layers (0 without one)."""
-    return sequence_blocks(policy, num_tokens).host * host_block_bytes(arch, policy)
+    return sequence_blocks(policy, num_tokens).host * block_bytes(arch, policy)[HOST]
 
 
 def max_fetch_bytes_per_step(arch: ModelArch, policy: KVPolicy, num_tokens: int) -> int:

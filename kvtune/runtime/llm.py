@@ -16,12 +16,12 @@ import torch
 
 from kvtune.runtime.arch import arch_from_folder
 from kvtune.runtime.backends import cache_ops
+from kvtune.runtime.cache_pools import layer_rotations
 from kvtune.runtime.calibration import calibrate_tensor_scales, calibration_token_ids
 from kvtune.runtime.dtypes import DTYPE_NAMES, compute_dtype_name
-from kvtune.runtime.engine import Engine, EngineConfig, pool_sizes
+from kvtune.runtime.engine import Engine, EngineConfig, engine_pools
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import layer_formats
-from kvtune.runtime.kv_cache import layer_rotations
 from kvtune.runtime.model import DecoderModel, resolve_dtype
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -97,7 +97,7 @@ class LLM:
         if gpu_memory_utilization is not None and self.device.type != "cuda":
             raise ConfigError("gpu_memory_utilization", gpu_memory_utilization, "CUDA devices only")
         if gpu_memory_utilization is None:
-            pool_sizes(self.arch, self.policy, config)
+            engine_pools(self.arch, self.policy, config, self.device)
         self.tokenizer = Tokenizer.from_folder(folder)
         self.model = DecoderModel.from_checkpoint(folder, torch_dtype, device)
         if gpu_memory_utilization is not None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from kvtune.runtime.block_manager import MAIN, RECENT, BlockManager, SequenceKV
+from kvtune.runtime.block_manager import BlockManager, SequenceKV
 from kvtune.runtime.errors import ConfigError
+from kvtune.runtime.pool_kinds import MAIN, RECENT
 from kvtune.runtime.sequence import Sequence, SequenceStatus
 
 SCHEDULING_POLICIES = ("fcfs", "length_aware")

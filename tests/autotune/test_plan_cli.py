@@ -52,8 +52,12 @@ def test_budget_and_capacity_follow_the_formula():
     per_sequence = 28 * 4 * 128 * 2 * 2 * 32768
     assert plan["kv_budget_bytes"] == budget
     assert plan["kv_bytes_per_sequence"] == per_sequence
-    assert plan["max_num_seqs"] == budget // per_sequence
-    assert plan["headroom_bytes"] == budget - plan["max_num_seqs"] * per_sequence
+    # kvtune's engine sets aside a 16-token block a sequence and a 512-token step's 32 once.
+    block = 28 * 4 * 128 * 2 * 2 * 16
+    assert (plan["reserve_bytes_per_sequence"], plan["reserve_bytes_shared"]) == (block, 32 * block)
+    fits = (budget - 32 * block) // (per_sequence + block)
+    assert plan["max_num_seqs"] == fits
+    assert plan["headroom_bytes"] == budget - fits * (per_sequence + block) - 32 * block
 
 
 def test_compare_lists_the_standard_alternatives_in_order_of_memory():

@@ -4,9 +4,10 @@ import random
 
 import pytest
 
-from kvtune.runtime.block_manager import MAIN, RECENT, BlockManager
+from kvtune.runtime.block_manager import BlockManager
 from kvtune.runtime.kv_bytes import sequence_blocks
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import MAIN, RECENT
 
 POLICIES = [
     KVPolicy(),

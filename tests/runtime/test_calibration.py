@@ -15,11 +15,11 @@ import torch
 
 from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import MAIN
 from kvtune.runtime.calibration import CALIBRATION_REPLY, CALIBRATION_TEXT, calibration_token_ids
 from kvtune.runtime.kv_bytes import layer_formats
 from kvtune.runtime.model import DenseCausalAttention
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import MAIN
 from tests.runtime.test_engine import random_tokens
 
 

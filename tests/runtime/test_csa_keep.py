@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import MAIN
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import MAIN
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8

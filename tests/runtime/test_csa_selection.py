@@ -14,9 +14,10 @@ import torch
 
 import kvtune.runtime.engine as engine_module
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import HOST, MAIN
+from kvtune.runtime.host_fetch import HostFetch
 from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import HOST, MAIN
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8
@@ -149,7 +150,7 @@ def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_resu
     prompts = [random_tokens(100, seed=17), random_tokens(70, seed=18)]
     local = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
     expected = local.prompt_logits_batch(prompts)
-    monkeypatch.setattr("kvtune.runtime.kv_cache.KVCache._host_is_remote", lambda self, host: True)
+    monkeypatch.setattr(HostFetch, "host_is_remote", lambda self, host: True)
     remote = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
     for got, want in zip(remote.prompt_logits_batch(prompts), expected, strict=True):
         assert torch.equal(got, want)

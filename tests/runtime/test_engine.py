@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import DEVICE_KINDS, HOST
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import host_kv_bytes_per_sequence, kv_bytes_per_sequence
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import HOST
 from tests.runtime.conftest import TINY_VOCAB
 
 
@@ -215,10 +215,8 @@ POLICIES_FOR_BYTES = [
 def test_held_bytes_equal_planner_bytes_after_every_step(tiny_llama, policy):
     llm = LLM(str(tiny_llama), policy=policy, max_model_len=160, max_num_seqs=3)
     engine = llm.engine
-    # The planner's bytes a block of each device kind are what the pool tensors take.
-    assert engine.cache.allocated_bytes == sum(
-        engine.blocks.pools[kind].num_blocks * engine.block_bytes[kind] for kind in DEVICE_KINDS
-    )
+    # The pool tensors are the plan's pools (tests/runtime/test_pool_plan.py checks more).
+    assert engine.cache.allocated_bytes == engine.pools.device_bytes
     for i, n in enumerate((37, 61, 5)):
         engine.add_request(random_tokens(n, seed=i), max_new_tokens=20)
     checked = 0

@@ -11,9 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import MAIN
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import MAIN
 from tests.runtime.test_engine import random_tokens, relative_error
 
 CONF = Path(__file__).resolve().parents[2] / "conf"

@@ -10,11 +10,11 @@ import torch
 from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
 from kvtune.kernels.formats.rotation import rotation_matrix
 from kvtune.runtime import LLM
-from kvtune.runtime.block_manager import MAIN
 from kvtune.runtime.calibration import FREE_HEADROOM, calibration_token_ids
 from kvtune.runtime.kv_bytes import layer_formats
 from kvtune.runtime.model import DenseCausalAttention
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import MAIN
 from tests.runtime.test_engine import random_tokens, relative_error
 
 ROTATED = KVPolicy("int4", "int2", group_size=16, rotation="hadamard", block_size=8, chunk_size=16)

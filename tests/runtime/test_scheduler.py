@@ -2,10 +2,11 @@
 
 import pytest
 
-from kvtune.runtime.block_manager import MAIN, BlockManager
+from kvtune.runtime.block_manager import BlockManager
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_bytes import sequence_blocks
 from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.pool_kinds import MAIN
 from kvtune.runtime.scheduler import Scheduler
 from kvtune.runtime.sequence import RequestMetrics, Sequence, SequenceStatus
 

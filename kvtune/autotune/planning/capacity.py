@@ -1,11 +1,14 @@
 """Capacity planner: KV bytes, the KV budget and how many sequences fit, with advice.
 
 Answers "how many sequences of this length fit on this card under this policy, and what would
-the standard alternatives give" from the shared byte arithmetic (kvtune/runtime/kv_bytes.py).
+the standard alternatives give" from the shared byte arithmetic: a sequence's bytes
+(kvtune/runtime/kv_bytes.py) and, for the policies kvtune's engine serves, what that engine
+sets aside beyond them (kvtune/runtime/pool_plan.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +23,7 @@ from kvtune.runtime.kv_bytes import (
     max_fetch_bytes_per_step,
 )
 from kvtune.runtime.policy import PER_TENSOR, KVPolicy
+from kvtune.runtime.pool_plan import pool_reserve
 
 CSA_USEFUL_CONTEXT = 32768
 OVERSIZED_CONTEXT_FACTOR = 4
@@ -93,7 +97,14 @@ def predicted_decode_ms(
 
 @dataclass(frozen=True)
 class CapacityRow:
-    """One policy's figures on the plan's model, device and context."""
+    """One policy's figures on the plan's model, device and context.
+
+    kv_bytes_per_sequence: what one sequence of the context holds (DESIGN.md section 1).
+    reserve_bytes_per_sequence, reserve_bytes_shared: what kvtune's engine sets aside beyond
+    that, for each sequence it runs and once (kvtune/runtime/pool_plan.py: the main pool's
+    step slack, the fp16 recent pool's reserve, the host tier's prefill scratch); 0 for another
+    engine's format, whose allocator is its own. max_num_seqs counts both.
+    """
 
     name: str
     policy: KVPolicy
@@ -103,6 +114,15 @@ class CapacityRow:
     predicted_decode_ms: float
     host_kv_bytes_per_sequence: int = 0
     max_fetch_bytes_per_step: int = 0
+    reserve_bytes_per_sequence: int = 0
+    reserve_bytes_shared: int = 0
+
+    def allocated_bytes(self, sequences: int) -> int:
+        """Device bytes the engine takes for `sequences` sequences of the context (0 for none)."""
+        if sequences == 0:
+            return 0
+        per_sequence = self.kv_bytes_per_sequence + self.reserve_bytes_per_sequence
+        return sequences * per_sequence + self.reserve_bytes_shared
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -112,9 +132,20 @@ class CapacityRow:
             "kv_bytes_per_sequence": self.kv_bytes_per_sequence,
             "host_kv_bytes_per_sequence": self.host_kv_bytes_per_sequence,
             "max_fetch_bytes_per_step": self.max_fetch_bytes_per_step,
+            "reserve_bytes_per_sequence": self.reserve_bytes_per_sequence,
+            "reserve_bytes_shared": self.reserve_bytes_shared,
             "max_num_seqs": self.max_num_seqs,
             "predicted_decode_ms": round(self.predicted_decode_ms, 4),
         }
+
+
+def engine_reserve_bytes(arch: ModelArch, policy: KVPolicy, context_len: int) -> tuple[int, int]:
+    """(per sequence, once): device bytes kvtune's engine sets aside beyond the sequences' own
+    when it serves sequences of context_len tokens, with its default step (chunk_size) and the
+    host tier off the GPU."""
+    reserve = pool_reserve(arch, policy, context_len, policy.chunk_size, host_tier_remote=True)
+    per_sequence = kv_bytes_per_sequence(arch, policy, context_len)
+    return reserve.bytes_per_sequence - per_sequence, reserve.shared_bytes
 
 
 def capacity_row(
@@ -124,9 +155,16 @@ def capacity_row(
     device: DeviceSpec,
     serve: ServeSettings,
     budget: int,
+    *,
+    engine_reserve: bool = False,
 ) -> CapacityRow:
+    """The policy's figures at serve.max_model_len; engine_reserve: served by kvtune's engine,
+    whose reserve counts against the budget (CapacityRow)."""
     per_sequence = kv_bytes_per_sequence(arch, policy, serve.max_model_len)
-    fits = max_num_seqs(budget, per_sequence)
+    reserve, shared = 0, 0
+    if engine_reserve:
+        reserve, shared = engine_reserve_bytes(arch, policy, serve.max_model_len)
+    fits = max_num_seqs(budget - shared, per_sequence + reserve)
     return CapacityRow(
         name=name,
         policy=policy,
@@ -136,6 +174,8 @@ def capacity_row(
         predicted_decode_ms=predicted_decode_ms(arch, device, max(fits, 1), per_sequence),
         host_kv_bytes_per_sequence=host_kv_bytes_per_sequence(arch, policy, serve.max_model_len),
         max_fetch_bytes_per_step=max_fetch_bytes_per_step(arch, policy, serve.max_model_len),
+        reserve_bytes_per_sequence=reserve,
+        reserve_bytes_shared=shared,
     )
 
 
@@ -154,9 +194,8 @@ class CapacityPlan:
 
     def to_dict(self) -> dict[str, Any]:
         chosen = self.chosen.to_dict()
-        headroom = (
-            max(0, self.kv_budget_bytes)
-            - self.chosen.max_num_seqs * self.chosen.kv_bytes_per_sequence
+        headroom = max(0, self.kv_budget_bytes) - self.chosen.allocated_bytes(
+            self.chosen.max_num_seqs
         )
         result = {
             "model": self.arch.name,
@@ -195,10 +234,10 @@ def advice(
             f"{serve.activation_reserve_gib:.2f} GiB exceed {device.memory_gib:.1f} GiB x "
             f"{serve.gpu_memory_utilization}; use a larger device or smaller weights."
         )
-    elif budget < row.kv_bytes_per_sequence:
+    elif row.max_num_seqs == 0:
         notes.append(
             f"The KV budget {_gib(budget)} is below one {serve.max_model_len}-token sequence "
-            f"({_gib(row.kv_bytes_per_sequence)}): lower serve.max_model_len, quantize or compress."
+            f"({_gib(row.allocated_bytes(1))}): lower serve.max_model_len, quantize or compress."
         )
     context = serve.expected_context_len or serve.max_model_len
     if policy.compressed and context < CSA_USEFUL_CONTEXT:
@@ -244,19 +283,24 @@ def build_plan(
 ) -> CapacityPlan:
     """Plan capacity for the user's policy and the standard alternatives."""
     budget = kv_budget_bytes(arch, device, serve)
-    chosen = capacity_row("chosen", arch, policy, device, serve, budget)
+    chosen = capacity_row("chosen", arch, policy, device, serve, budget, engine_reserve=True)
     compare = []
     for name, changes in ALTERNATIVES.items():
         try:
             plain = {name: getattr(_PLAIN, name) for name in PLAIN_FIELDS}
             alternative = policy.replace(**plain, **changes)
-            compare.append(capacity_row(name, arch, alternative, device, serve, budget))
+            row = capacity_row(name, arch, alternative, device, serve, budget, engine_reserve=True)
+            compare.append(row)
         except ConfigError:
             continue  # this model cannot hold the alternative (e.g. group 16 on odd head_dim)
     at_expected = None
     if serve.expected_context_len:
-        per_sequence = kv_bytes_per_sequence(arch, policy, serve.expected_context_len)
-        at_expected = max_num_seqs(budget, per_sequence)
+        # What the engine fits with max_model_len lowered to the workload's context.
+        at_context = dataclasses.replace(serve, max_model_len=serve.expected_context_len)
+        row = capacity_row(
+            "expected", arch, policy, device, at_context, budget, engine_reserve=True
+        )
+        at_expected = row.max_num_seqs
     return CapacityPlan(
         arch=arch,
         device=device,
