@@ -31,7 +31,8 @@ from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.autotune.study.optuna_study import ENGINE_PRESET_ATTR, WARM_START_ATTR, policy_key
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.runtime.errors import ConfigError
-from kvtune.runtime.policy import KV_DTYPES, KVPolicy
+from kvtune.runtime.kv_dtypes import KV_DTYPES
+from kvtune.runtime.policy import KVPolicy
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 SEARCH_DIR = CONF / "search"
