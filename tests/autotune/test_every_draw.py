@@ -430,7 +430,14 @@ def test_planner_counts_the_policy_bytes(source):
     budget = int(budget - ARCH.weights_bytes - serve.activation_reserve_gib * GIB)
     assert plan.kv_budget_bytes == budget
     assert plan.chosen.kv_bytes_per_sequence == per_sequence
-    assert plan.chosen.max_num_seqs == max(0, budget) // per_sequence
+    # The engine's own reserve (step slack, the fp16 recent pool, prefill scratch) counts
+    # against the budget; tests/runtime/test_pool_plan.py checks it against what the engine
+    # allocates. Here: it is there for every policy, and capacity is the budget left after the
+    # shared part over a sequence's bytes plus its own part.
+    chosen = plan.chosen
+    assert chosen.reserve_bytes_per_sequence > 0 and chosen.reserve_bytes_shared > 0
+    fits = max(0, budget - chosen.reserve_bytes_shared)
+    assert chosen.max_num_seqs == fits // (per_sequence + chosen.reserve_bytes_per_sequence)
     fp16 = {row.name: row for row in plan.compare}["fp16"]
     paged = math.ceil(serve.max_model_len / policy.block_size) * policy.block_size
     assert fp16.kv_bytes_per_sequence == LAYERS * ARCH.num_kv_heads * ARCH.head_dim * 2 * 2 * paged
