@@ -8,6 +8,7 @@ from optuna.trial import TrialState
 
 from kvtune.autotune.study.results import pick_trial, trial_records
 from kvtune.runtime.policy import KVPolicy
+from tests.autotune.analytic_study import new_study
 from tests.autotune.conftest import run_kvtune
 
 OBJECTIVES = ("accuracy_retention", "kv_bytes_per_sequence", "tpot_ms")
@@ -181,6 +182,7 @@ def test_a_named_multirun_gives_one_study_per_combination(tmp_path, tiny_study_a
         ("search.csa_ratio=[1,64]", "search.csa_ratio"),
         ("objectives=[accuracy,tpot_ms]", "objectives"),
         ("mlflow.tracking_uri=./mlruns", "mlflow.tracking_uri"),
+        ("study.name=examples", "study.name"),  # studies/examples/ holds the committed examples
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(tmp_path, override, field, kvtune_cache):
@@ -199,6 +201,21 @@ def test_joining_a_missing_study_is_one_line_and_creates_nothing(tmp_path, comma
     assert result.returncode == 2
     assert "study.storage" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["export", "worker", "dashboard"])
+def test_without_a_name_a_command_looks_for_the_study_tune_names(tmp_path, command, kvtune_cache):
+    new_study(tmp_path / "studies" / "demo", name="demo")
+    for overrides, name in (
+        ([], "smollm2-135m-chat"),
+        (["workload=longdoc"], "smollm2-135m-longdoc"),
+    ):
+        result = run_kvtune(command, *overrides, cwd=tmp_path, cache=kvtune_cache, timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"kvtune {command}: error: study.name='{name}' is invalid: ")
+        assert line.endswith("one of the studies in studies/: demo; elsewhere: give study.storage")
+    assert {p.name for p in (tmp_path / "studies").iterdir()} == {"demo"}
 
 
 @pytest.mark.slow

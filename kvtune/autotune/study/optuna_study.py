@@ -68,6 +68,12 @@ STARTED_ATTR = "started"
 # orphan: its worker died between `ask` and the first heartbeat. Optuna's fail_stale_trials
 # skips trials without a heartbeat, so without this the study would wait on it forever.
 ORPHAN_AFTER_S = 60.0
+# Each study's folder, under the working directory: its default database, trials.log and the
+# results of the last invocation (trials.csv, plots, front policies, recipe, exports).
+STUDIES = Path("studies")
+# studies/examples/ holds committed example runs: a study of that name would mix a user's
+# results into them.
+EXAMPLES = "examples"
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,10 @@ class StudySettings:
             raise ConfigError("study.engine_presets", unknown[0], f"names from {', '.join(known)}")
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ConfigError("study.name", self.name, "a non-empty name without '/'")
+        if self.name == EXAMPLES:
+            raise ConfigError(
+                "study.name", self.name, f"another name ({STUDIES / EXAMPLES}/ holds examples)"
+            )
         if self.sampler not in SAMPLERS:
             raise ConfigError("study.sampler", self.sampler, f"one of {', '.join(SAMPLERS)}")
         for field, minimum in (
@@ -136,8 +146,13 @@ class StudySettings:
         return cls(**data)
 
     @property
+    def folder(self) -> Path:
+        """studies/<name>/ under the working directory."""
+        return STUDIES / self.name
+
+    @property
     def storage_url(self) -> str:
-        return self.storage or f"sqlite:///studies/{self.name}/optuna.db"
+        return self.storage or f"sqlite:///{self.folder / 'optuna.db'}"
 
 
 def open_storage(
