@@ -1,6 +1,9 @@
 """`kvtune tune` and `kvtune export` end to end on the tiny model (subprocesses, real Hydra,
 Optuna SQLite storage, MLflow sqlite store, runtime and suite)."""
 
+import csv
+import sqlite3
+
 import optuna
 import pytest
 from mlflow import MlflowClient
@@ -133,6 +136,60 @@ def test_a_study_measures_its_engine_presets_besides_its_budget(
     experiment = client.get_experiment_by_name("PRESETS")
     runs = client.search_runs([experiment.experiment_id], "tags.`kvtune.kind` = 'trial'")
     assert {r.data.tags.get("warm_start") for r in runs} >= {"vllm/fp8", "vllm/nvfp4"}
+
+
+def csv_trials(path) -> list[int]:
+    with path.open() as rows:
+        return [int(row["trial"]) for row in csv.DictReader(rows)]
+
+
+@pytest.mark.slow
+def test_bookkeeping_errors_never_stop_a_study_and_it_resumes(
+    tmp_path, tiny_study_args, kvtune_cache
+):
+    def tune(n_trials: int):
+        result = run_kvtune(
+            "tune", f"study.n_trials={n_trials}", *tiny_study_args, cwd=tmp_path, cache=kvtune_cache
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Pareto front of study tiny-tiny" in result.stdout
+        return " ".join(result.stdout.split())
+
+    folder = tmp_path / "studies" / "tiny-tiny"  # named by model.name=tiny and workload=tiny
+    (folder / "trials.csv").mkdir(parents=True)  # where the table goes, a folder: it fails
+    out = tune(2)
+    assert "bookkeeping failed, the study went on: trials.csv (IsADirectoryError" in out
+    log = (folder / "trials.log").read_text()
+    assert "trials.csv failed (IsADirectoryError" in log and "Traceback" in log
+    others = {"pareto_front.png", "pareto_front.html", "recipe.yaml", "front"}
+    assert others <= {p.name for p in folder.iterdir()}
+
+    with sqlite3.connect(tmp_path / "mlflow.db") as store:  # MLflow can no longer log metrics
+        store.execute("DROP TABLE metrics")  # (the next process's MLflow makes another, unusable)
+    out = tune(3)  # resumes the study: one more trial, whose MLflow callback fails
+    study = load(f"sqlite:///{folder / 'optuna.db'}", "tiny-tiny")
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE] * 3
+    error = study.user_attrs["bookkeeping_error:trial_2:StudyTracker.log_trial"]
+    assert "(sqlite3.OperationalError)" in error and "INSERT INTO metrics" in error
+    assert f"trial 2: StudyTracker.log_trial ({error[:80]}" in out
+    assert (
+        "trial 2: bookkeeping step StudyTracker.log_trial failed"
+        in (folder / "trials.log").read_text()
+    )
+
+    (folder / "trials.csv").rmdir()
+    tune(3)  # nothing left to measure; the results are written
+    assert csv_trials(folder / "trials.csv") == [0, 1, 2]
+    # Without study.name, export takes the study tune named for the same model and workload.
+    names = [a for a in tiny_study_args if a.startswith(("hydra.searchpath=", "model.name="))]
+    exported = run_kvtune("export", *names, "workload=tiny", cwd=tmp_path, cache=kvtune_cache)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert {p.name for p in (folder / "export" / "knee").iterdir()} == {
+        "kvtune.yaml",
+        "vllm.yaml",
+        "sglang.args",
+        "NOTES.md",
+    }
 
 
 def tune_multirun(tmp_path, tiny_study_args, kvtune_cache, *overrides: str) -> None:

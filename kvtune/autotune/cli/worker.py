@@ -3,8 +3,8 @@
 The worker needs only the study's name and storage (the name defaults to the one `kvtune tune`
 gives for the same model and workload, ${model.name}-${workload.name}): the recipe (model,
 workload, search space, suite, objectives), the trial budget and the sampler are read from the
-study. It runs trials until the budget is used, with heartbeats, then refreshes the MLflow Pareto
-tags and artifacts like `kvtune tune` does.
+study. It runs trials until the budget is used, with heartbeats, then writes the study's results
+and refreshes MLflow like `kvtune tune` does.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.autotune.config.engine_presets import preset_names
 from kvtune.autotune.search.space import SearchConfig, SearchSpace, canonical
+from kvtune.autotune.study.bookkeeping import tolerant
 from kvtune.autotune.study.objectives import Constraints, TrialFailure, directions
 from kvtune.autotune.study.recipe import recipe_differences
 from kvtune.autotune.study.sqlite_locking import lock_sqlite_transactions
@@ -467,7 +468,12 @@ def run_trials(
     orphan_after_s: float = ORPHAN_AFTER_S,
 ) -> None:
     """Run trials until the budget is used (or every distinct policy of the space is measured:
-    objective.exhausted), then wait for other workers' trials in flight."""
+    objective.exhausted), then wait for other workers' trials in flight.
+
+    The callbacks are bookkeeping: an error in one is logged and recorded with its trial, and
+    the study goes on (kvtune/autotune/study/bookkeeping.py).
+    """
+    callbacks = [tolerant(callback) for callback in callbacks]
     while True:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
