@@ -1,11 +1,14 @@
 """MLflow tracking on a real sqlite store: experiment per study, nested trial runs, Pareto tags
-refreshed at the end, parent artifacts."""
+refreshed at the end, parent artifacts (the result files written into the study's folder)."""
 
 from mlflow import MlflowClient
 
+from kvtune.autotune.cli.tune import track_results, write_files
+from kvtune.autotune.study.bookkeeping import InvocationSteps
 from kvtune.autotune.study.optuna_study import enqueue_warm_starts, run_trials
 from kvtune.autotune.study.results import pareto_front, trial_records
 from kvtune.autotune.tracking.mlflow_tracker import StudyTracker
+from kvtune.autotune.tracking.result_files import StudyResults
 from tests.autotune.analytic_study import (
     OBJECTIVES,
     new_study,
@@ -15,16 +18,24 @@ from tests.autotune.analytic_study import (
 )
 
 
+def finish(tracker, study, folder):
+    """The end of an invocation as `kvtune tune` runs it; no step may fail here."""
+    records = trial_records(study)
+    front = [r.number for r in pareto_front(records, OBJECTIVES)]
+    results = StudyResults(records, front, OBJECTIVES, 4, "recipe: test\n")
+    steps = InvocationSteps(study.study_name)
+    track_results(tracker, study, results, folder, write_files(results, folder, steps), steps)
+    assert steps.failed == {}
+    return front
+
+
 def tracked_study(tmp_path, measure, n_trials):
     settings, study = new_study(tmp_path, name="tracked")
     enqueue_warm_starts(study, search_space(), 1)  # the uncompressed baseline: one trial completes
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     tracker = StudyTracker(uri, tmp_path / "artifacts", "tracked", "tune", {"sampler": "tpe"}, 4)
     run_trials(study, objective(measure, n_trials=n_trials), n_trials, [tracker.log_trial])
-    records = trial_records(study)
-    front = [r.number for r in pareto_front(records, OBJECTIVES)]
-    policies = {r.number: r.policy.to_yaml() for r in records if r.number in front}
-    tracker.finish(records, front, OBJECTIVES, policies, "recipe: test\n")
+    front = finish(tracker, study, tmp_path / "studies" / "tracked")
     return MlflowClient(uri), tracker, study, front
 
 
@@ -69,9 +80,7 @@ def test_pareto_tags_are_refreshed_across_invocations(tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     second = StudyTracker(uri, tmp_path / "artifacts", "tracked", "worker", {}, 4)
     run_trials(study, objective(refuse_compression, n_trials=6), 6, [second.log_trial])
-    records = trial_records(study)
-    front = [r.number for r in pareto_front(records, OBJECTIVES)]
-    second.finish(records, front, OBJECTIVES, {}, "recipe: test\n")
+    front = finish(second, study, tmp_path / "studies" / "tracked")
     tags = {int(r.data.tags["trial_number"]): r.data.tags["pareto"] for r in second.trial_runs()}
     assert tags == {n: ("true" if n in front else "false") for n in range(6)}
 

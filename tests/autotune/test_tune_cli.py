@@ -1,6 +1,9 @@
 """`kvtune tune` and `kvtune export` end to end on the tiny model (subprocesses, real Hydra,
 Optuna SQLite storage, MLflow sqlite store, runtime and suite)."""
 
+import csv
+import sqlite3
+
 import optuna
 import pytest
 from mlflow import MlflowClient
@@ -8,6 +11,7 @@ from optuna.trial import TrialState
 
 from kvtune.autotune.study.results import pick_trial, trial_records
 from kvtune.runtime.policy import KVPolicy
+from tests.autotune.analytic_study import new_study
 from tests.autotune.conftest import run_kvtune
 
 OBJECTIVES = ("accuracy_retention", "kv_bytes_per_sequence", "tpot_ms")
@@ -134,6 +138,60 @@ def test_a_study_measures_its_engine_presets_besides_its_budget(
     assert {r.data.tags.get("warm_start") for r in runs} >= {"vllm/fp8", "vllm/nvfp4"}
 
 
+def csv_trials(path) -> list[int]:
+    with path.open() as rows:
+        return [int(row["trial"]) for row in csv.DictReader(rows)]
+
+
+@pytest.mark.slow
+def test_bookkeeping_errors_never_stop_a_study_and_it_resumes(
+    tmp_path, tiny_study_args, kvtune_cache
+):
+    def tune(n_trials: int):
+        result = run_kvtune(
+            "tune", f"study.n_trials={n_trials}", *tiny_study_args, cwd=tmp_path, cache=kvtune_cache
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "Pareto front of study tiny-tiny" in result.stdout
+        return " ".join(result.stdout.split())
+
+    folder = tmp_path / "studies" / "tiny-tiny"  # named by model.name=tiny and workload=tiny
+    (folder / "trials.csv").mkdir(parents=True)  # where the table goes, a folder: it fails
+    out = tune(2)
+    assert "bookkeeping failed, the study went on: trials.csv (IsADirectoryError" in out
+    log = (folder / "trials.log").read_text()
+    assert "trials.csv failed (IsADirectoryError" in log and "Traceback" in log
+    others = {"pareto_front.png", "pareto_front.html", "recipe.yaml", "front"}
+    assert others <= {p.name for p in folder.iterdir()}
+
+    with sqlite3.connect(tmp_path / "mlflow.db") as store:  # MLflow can no longer log metrics
+        store.execute("DROP TABLE metrics")  # (the next process's MLflow makes another, unusable)
+    out = tune(3)  # resumes the study: one more trial, whose MLflow callback fails
+    study = load(f"sqlite:///{folder / 'optuna.db'}", "tiny-tiny")
+    assert [t.state for t in study.get_trials()] == [TrialState.COMPLETE] * 3
+    error = study.user_attrs["bookkeeping_error:trial_2:StudyTracker.log_trial"]
+    assert "(sqlite3.OperationalError)" in error and "INSERT INTO metrics" in error
+    assert f"trial 2: StudyTracker.log_trial ({error[:80]}" in out
+    assert (
+        "trial 2: bookkeeping step StudyTracker.log_trial failed"
+        in (folder / "trials.log").read_text()
+    )
+
+    (folder / "trials.csv").rmdir()
+    tune(3)  # nothing left to measure; the results are written
+    assert csv_trials(folder / "trials.csv") == [0, 1, 2]
+    # Without study.name, export takes the study tune named for the same model and workload.
+    names = [a for a in tiny_study_args if a.startswith(("hydra.searchpath=", "model.name="))]
+    exported = run_kvtune("export", *names, "workload=tiny", cwd=tmp_path, cache=kvtune_cache)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert {p.name for p in (folder / "export" / "knee").iterdir()} == {
+        "kvtune.yaml",
+        "vllm.yaml",
+        "sglang.args",
+        "NOTES.md",
+    }
+
+
 def tune_multirun(tmp_path, tiny_study_args, kvtune_cache, *overrides: str) -> None:
     """`kvtune tune -m workload=tiny,tiny2 study.n_trials=1 <overrides>` on the tiny model."""
     args = [a for a in tiny_study_args if not a.startswith("workload=")]
@@ -181,6 +239,7 @@ def test_a_named_multirun_gives_one_study_per_combination(tmp_path, tiny_study_a
         ("search.csa_ratio=[1,64]", "search.csa_ratio"),
         ("objectives=[accuracy,tpot_ms]", "objectives"),
         ("mlflow.tracking_uri=./mlruns", "mlflow.tracking_uri"),
+        ("study.name=examples", "study.name"),  # studies/examples/ holds the committed examples
     ],
 )
 def test_bad_input_is_one_line_naming_the_field(tmp_path, override, field, kvtune_cache):
@@ -199,6 +258,21 @@ def test_joining_a_missing_study_is_one_line_and_creates_nothing(tmp_path, comma
     assert result.returncode == 2
     assert "study.storage" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command", ["export", "worker", "dashboard"])
+def test_without_a_name_a_command_looks_for_the_study_tune_names(tmp_path, command, kvtune_cache):
+    new_study(tmp_path / "studies" / "demo", name="demo")
+    for overrides, name in (
+        ([], "smollm2-135m-chat"),
+        (["workload=longdoc"], "smollm2-135m-longdoc"),
+    ):
+        result = run_kvtune(command, *overrides, cwd=tmp_path, cache=kvtune_cache, timeout=120)
+        assert result.returncode == 2, result.stderr[-3000:]
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith(f"kvtune {command}: error: study.name='{name}' is invalid: ")
+        assert line.endswith("one of the studies in studies/: demo; elsewhere: give study.storage")
+    assert {p.name for p in (tmp_path / "studies").iterdir()} == {"demo"}
 
 
 @pytest.mark.slow

@@ -1,33 +1,33 @@
 """`kvtune dashboard`: optuna-dashboard over a study's storage, on 127.0.0.1 until Ctrl-C.
 
-The storage follows the rule of `kvtune tune` (study.storage, default
+The study is the one `kvtune tune` names for the same model and workload (study.name, default
+${model.name}-${workload.name}), in its storage (study.storage, default
 sqlite:///studies/<name>/optuna.db); a missing study is refused in one line that lists the
-studies the storage holds. The URL printed opens the study's page (history, Pareto front with
-the objectives named, parameter importances). Requests are served from threads, so a browser
-loading the page's assets in parallel is not queued behind one slow API call.
+studies there (kvtune/autotune/cli/existing_study.py). The URL printed opens the study's page
+(history, Pareto front with the objectives named, parameter importances). Requests are served
+from threads, so a browser loading the page's assets in parallel is not queued behind one slow
+API call.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from pathlib import Path
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-import optuna
 from omegaconf import DictConfig
 from optuna_dashboard import wsgi
 from rich.console import Console
 
-from kvtune.autotune.study.optuna_study import StudySettings, open_storage
+from kvtune.autotune.cli.existing_study import open_existing_study
+from kvtune.autotune.study.optuna_study import StudySettings
 from kvtune.autotune.study.recipe import plain
 from kvtune.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-STUDIES = Path("studies")  # where kvtune tune keeps each study's default SQLite database
 MAX_PORT = 65535
 
 
@@ -55,27 +55,11 @@ def dashboard_port(value: object) -> int:
     return value
 
 
-def missing_study(name: str, where: str, names: list[str], note: str = "") -> ConfigError:
-    """The one-line error for a study that is not there: the studies that are."""
-    listed = ", ".join(names) or "none"
-    return ConfigError("study.name", name, f"one of the studies in {where}: {listed}{note}")
-
-
 def dashboard_task(cfg: DictConfig) -> None:
-    """`kvtune dashboard study.name=... [study.storage=...] [dashboard.port=N]`."""
-    study_cfg = plain(cfg.study)
-    if study_cfg.get("name") in (None, "", "???"):
-        raise ConfigError("study.name", None, "the name of a study started with kvtune tune")
+    """`kvtune dashboard [study.name=...] [study.storage=...] [dashboard.port=N]`."""
     port = dashboard_port(cfg.dashboard.port)
-    settings = StudySettings.from_dict({k: v for k, v in study_cfg.items() if v is not None})
-    default_db = Path(settings.storage_url.removeprefix("sqlite:///"))
-    if settings.storage is None and not default_db.is_file():
-        found = sorted(p.parent.name for p in STUDIES.glob("*/optuna.db"))
-        raise missing_study(settings.name, f"{STUDIES}/", found, "; elsewhere: give study.storage")
-    storage = open_storage(settings, existing=True, runs_trials=False)
-    names = optuna.get_all_study_names(storage)
-    if settings.name not in names:
-        raise missing_study(settings.name, settings.storage_url, names)
+    settings = StudySettings.from_dict({k: v for k, v in plain(cfg.study).items() if v is not None})
+    storage = open_existing_study(settings, runs_trials=False)
     study_id = storage.get_study_id_from_name(settings.name)
     try:
         server = make_server(HOST, port, wsgi(storage), ThreadingServer, QuietHandler)

@@ -1,9 +1,11 @@
 """`kvtune tune`: create (or resume) a study and run its trials, tracked in MLflow.
 
 Order of work: validate every setting (one ConfigError line, nothing loaded), open the
-storage and the MLflow experiment, resolve the layer groups (the sensitivity profile, cached
-per model), queue the warm starts, run trials with a progress bar, then tag the Pareto front,
-attach the study's artifacts to the MLflow parent run and print the front as a table.
+storage, resolve the layer groups (the sensitivity profile, cached per model), queue the warm
+starts, open the MLflow parent run, run trials with a progress bar, then write the result files
+into studies/<name>/ (kvtune/autotune/tracking/result_files.py), log the same files and the
+Pareto tags to MLflow and print the front as a table. Past validation, bookkeeping never stops
+the study: an error there is logged and recorded (kvtune/autotune/study/bookkeeping.py).
 `kvtune worker` runs the same loop on an existing study (kvtune/autotune/cli/worker.py).
 """
 
@@ -30,6 +32,8 @@ from rich.console import Console
 from kvtune.autotune.cache import JsonCache, default_cache_folder
 from kvtune.autotune.cli.report import render_front, trial_reporter
 from kvtune.autotune.config.engine_presets import engine_presets
+from kvtune.autotune.search.space import SearchSpace
+from kvtune.autotune.study.bookkeeping import InvocationSteps, trial_errors
 from kvtune.autotune.study.objectives import TrialEvaluator
 from kvtune.autotune.study.optuna_study import (
     StudySettings,
@@ -49,10 +53,12 @@ from kvtune.autotune.tracking.mlflow_tracker import (
     default_artifact_root,
     default_tracking_uri,
 )
+from kvtune.autotune.tracking.result_files import WRITERS, StudyResults
 from kvtune.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
+TRIALS_LOG = "trials.log"
 N_TRIALS_ATTR = "n_trials"
 SAMPLER_ATTR = "sampler"
 
@@ -98,35 +104,20 @@ def quiet_libraries() -> None:
 
 
 @contextlib.contextmanager
-def trial_output(study_name: str) -> Iterator[None]:
+def trial_output(folder: Path) -> Iterator[None]:
     """Send what trials write to stderr (lm-eval's and the runtime's inner progress bars,
-    library warnings) to studies/<name>/trials.log, so the study's own bar stays readable."""
-    path = Path("studies") / study_name / "trials.log"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as log, contextlib.redirect_stderr(log):
+    library warnings, bookkeeping errors with their tracebacks) to studies/<name>/trials.log,
+    so the study's own bar stays readable."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / TRIALS_LOG).open("a") as log, contextlib.redirect_stderr(log):
         yield
 
 
-def run_study(
-    settings: StudySettings,
-    setup: TuneSetup,
-    study: optuna.Study,
-    services: Services,
-    command: str,
-    console: Console,
-) -> None:
-    """Run the study's trials from this process, then report and track the results.
-
-    Only `kvtune tune` queues the warm starts: workers starting together would race to queue
-    the same ones.
-    """
-    space = setup.search_space(services.sensitivity)
-    study.sampler = make_sampler(settings, space, settings.seed)
-    if command == "tune" and settings.warm_start and settings.sampler != "grid":
-        enqueue_warm_starts(study, space, settings.n_trials)
-    if command == "tune":
-        enqueue_engine_presets(study, settings.engine_presets)
-    tracker = StudyTracker(
+def start_tracker(
+    settings: StudySettings, setup: TuneSetup, space: SearchSpace, services: Services, command: str
+) -> StudyTracker:
+    """The invocation's MLflow parent run, described by the study's main settings."""
+    return StudyTracker(
         services.tracking_uri,
         services.artifact_root,
         settings.name,
@@ -141,6 +132,70 @@ def run_study(
         },
         setup.arch.num_layers,
     )
+
+
+def write_files(results: StudyResults, folder: Path, steps: InvocationSteps) -> list[Path]:
+    """The result files into the study's folder, each on its own; the paths written."""
+    written: list[Path] = []
+    for name, write in WRITERS.items():
+        written += steps.run(name, write, folder, results) or []
+    return written
+
+
+def track_results(
+    tracker: StudyTracker,
+    study: optuna.Study,
+    results: StudyResults,
+    folder: Path,
+    written: list[Path],
+    steps: InvocationSteps,
+) -> None:
+    """The trials' tags, the files written and the invocation's failed steps to MLflow."""
+    steps.run("MLflow trial tags", tracker.refresh_trial_tags, results.front, trial_errors(study))
+    steps.run("MLflow artifacts", tracker.log_result_files, folder, written)
+    steps.run("MLflow parent run", tracker.finish, results.front, dict(steps.failed))
+
+
+def report_errors(
+    console: Console, study: optuna.Study, folder: Path, steps: InvocationSteps
+) -> None:
+    """Name the study's recorded bookkeeping errors and this invocation's failed steps (the
+    tracebacks are in trials.log)."""
+    failed = [
+        f"trial {n}: {step} ({text})"
+        for n, e in trial_errors(study).items()
+        for step, text in e.items()
+    ]
+    failed += [f"{step} ({text})" for step, text in steps.failed.items()]
+    if failed:
+        console.print(
+            f"study {study.study_name}: bookkeeping failed, the study went on: {'; '.join(failed)}"
+            f" (tracebacks in {folder / TRIALS_LOG})",
+            soft_wrap=True,
+            highlight=False,
+        )
+
+
+def run_study(
+    settings: StudySettings,
+    setup: TuneSetup,
+    study: optuna.Study,
+    services: Services,
+    command: str,
+    console: Console,
+) -> None:
+    """Run the study's trials from this process, then write, track and print the results.
+
+    Only `kvtune tune` queues the warm starts: workers starting together would race to queue
+    the same ones. Bookkeeping (MLflow, result files, the front table) never stops the study:
+    see kvtune/autotune/study/bookkeeping.py.
+    """
+    space = setup.search_space(services.sensitivity)
+    study.sampler = make_sampler(settings, space, settings.seed)
+    if command == "tune" and settings.warm_start and settings.sampler != "grid":
+        enqueue_warm_starts(study, space, settings.n_trials)
+    if command == "tune":
+        enqueue_engine_presets(study, settings.engine_presets)
     objective = TrialObjective(
         space,
         TrialEvaluator(setup.trial_context(), services.evaluations),
@@ -149,12 +204,19 @@ def run_study(
         settings.n_trials,
         engine_presets(setup.arch.cached_vector_size),
     )
+    steps = InvocationSteps(settings.name)
+    with trial_output(settings.folder):
+        tracker = steps.run(
+            "MLflow parent run", start_tracker, settings, setup, space, services, command
+        )
+    callbacks = [] if tracker is None else [tracker.log_trial]
     try:
         reporter = trial_reporter(console, study, settings.n_trials + len(settings.engine_presets))
-        with reporter as report, trial_output(settings.name):
-            run_trials(study, objective, settings.n_trials, [tracker.log_trial, report])
+        with reporter as report, trial_output(settings.folder):
+            run_trials(study, objective, settings.n_trials, [*callbacks, report])
     except BaseException:
-        tracker.fail()
+        if tracker is not None:
+            steps.run("MLflow parent run", tracker.fail)
         raise
     records = trial_records(study)
     if objective.exhausted:
@@ -163,19 +225,28 @@ def run_study(
             f"({len(records)} trials); stopped short of study.n_trials={settings.n_trials}"
         )
     front = [r.number for r in pareto_front(records, setup.objectives)]
-    policies = {r.number: r.policy.to_yaml() for r in records if r.number in front and r.policy}
-    tracker.finish(
-        records, front, setup.objectives, policies, yaml.safe_dump(setup.recipe, sort_keys=False)
-    )
-    render_front(console, settings.name, records, front, setup.arch.num_layers)
-    # MLflow 3.17's UI opens an experiment in its GenAI view whatever its tags say; this address
-    # opens the runs table ("Model training") where the trials are.
-    console.print(
-        f"MLflow: mlflow ui --backend-store-uri {services.tracking_uri}, then "
-        f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}"
-        "?workflowType=machine_learning",
-        soft_wrap=True,
-    )
+    recipe = yaml.safe_dump(setup.recipe, sort_keys=False)
+    results = StudyResults(records, front, setup.objectives, setup.arch.num_layers, recipe)
+    with trial_output(settings.folder):
+        written = write_files(results, settings.folder, steps)
+        steps.run(
+            "front table", render_front, console, settings.name, records, front, results.num_layers
+        )
+        if tracker is not None:
+            track_results(tracker, study, results, settings.folder, written, steps)
+    if written:
+        names = ", ".join(str(p.relative_to(settings.folder)) for p in written)
+        console.print(f"results in {settings.folder}/: {names}", soft_wrap=True, highlight=False)
+    report_errors(console, study, settings.folder, steps)
+    if tracker is not None:
+        # MLflow 3.17's UI opens an experiment in its GenAI view whatever its tags say; this
+        # address opens the runs table ("Model training") where the trials are.
+        console.print(
+            f"MLflow: mlflow ui --backend-store-uri {services.tracking_uri}, then "
+            f"http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}"
+            "?workflowType=machine_learning",
+            soft_wrap=True,
+        )
 
 
 def swept_keys(argv: Sequence[str]) -> list[str]:

@@ -41,6 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.autotune.config.engine_presets import preset_names
 from kvtune.autotune.search.space import SearchConfig, SearchSpace
+from kvtune.autotune.study.bookkeeping import tolerant
 from kvtune.autotune.study.objectives import Constraints, TrialFailure, directions
 from kvtune.autotune.study.recipe import recipe_differences
 from kvtune.autotune.study.sqlite_locking import lock_sqlite_transactions
@@ -68,6 +69,12 @@ STARTED_ATTR = "started"
 # orphan: its worker died between `ask` and the first heartbeat. Optuna's fail_stale_trials
 # skips trials without a heartbeat, so without this the study would wait on it forever.
 ORPHAN_AFTER_S = 60.0
+# Each study's folder, under the working directory: its default database, trials.log and the
+# results of the last invocation (trials.csv, plots, front policies, recipe, exports).
+STUDIES = Path("studies")
+# studies/examples/ holds committed example runs: a study of that name would mix a user's
+# results into them.
+EXAMPLES = "examples"
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,10 @@ class StudySettings:
             raise ConfigError("study.engine_presets", unknown[0], f"names from {', '.join(known)}")
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
             raise ConfigError("study.name", self.name, "a non-empty name without '/'")
+        if self.name == EXAMPLES:
+            raise ConfigError(
+                "study.name", self.name, f"another name ({STUDIES / EXAMPLES}/ holds examples)"
+            )
         if self.sampler not in SAMPLERS:
             raise ConfigError("study.sampler", self.sampler, f"one of {', '.join(SAMPLERS)}")
         for field, minimum in (
@@ -136,8 +147,13 @@ class StudySettings:
         return cls(**data)
 
     @property
+    def folder(self) -> Path:
+        """studies/<name>/ under the working directory."""
+        return STUDIES / self.name
+
+    @property
     def storage_url(self) -> str:
-        return self.storage or f"sqlite:///studies/{self.name}/optuna.db"
+        return self.storage or f"sqlite:///{self.folder / 'optuna.db'}"
 
 
 def open_storage(
@@ -452,7 +468,12 @@ def run_trials(
     orphan_after_s: float = ORPHAN_AFTER_S,
 ) -> None:
     """Run trials until the budget is used (or every distinct policy of the space is measured:
-    objective.exhausted), then wait for other workers' trials in flight."""
+    objective.exhausted), then wait for other workers' trials in flight.
+
+    The callbacks are bookkeeping: an error in one is logged and recorded with its trial, and
+    the study goes on (kvtune/autotune/study/bookkeeping.py).
+    """
+    callbacks = [tolerant(callback) for callback in callbacks]
     while True:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)

@@ -4,8 +4,10 @@ One experiment per study (named after it), one parent run per `kvtune tune` / `k
 invocation, one nested child run per trial: the policy flattened into params (per-layer dtypes
 as a compact string plus per-dtype layer counts), every metric, and tags (trial number, state,
 failure reason, pareto=true|false). At the end of an invocation the pareto tags of every trial
-run in the experiment are refreshed and the parent run gets the Pareto front (PNG and HTML),
-all trials as CSV and the exported policies of the front. Runs share param and metric names,
+run in the experiment are refreshed (with the bookkeeping errors recorded for its trial,
+kvtune/autotune/study/bookkeeping.py), and the parent run gets the result files written into
+studies/<name>/ (kvtune/autotune/tracking/result_files.py: the Pareto front as PNG and HTML,
+all trials as CSV, the recipe and the front's policies). Runs share param and metric names,
 so the MLflow UI compares them side by side (parallel coordinates included).
 
 The experiment is tagged as model development (`mlflow.experimentKind`) and carries a markdown
@@ -16,8 +18,8 @@ first line, shown folded in every view, says where the runs are.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -28,9 +30,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 from optuna.trial import FrozenTrial, TrialState
 
+from kvtune.autotune.study.bookkeeping import ERROR_ATTR
 from kvtune.autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR
-from kvtune.autotune.study.results import TrialRecord, policy_columns, write_trials_csv
-from kvtune.autotune.tracking.plots import pareto_html, pareto_png
+from kvtune.autotune.study.results import policy_columns
 from kvtune.runtime.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
@@ -126,9 +128,20 @@ class StudyTracker:
             tags["failure_reason"] = str(trial.user_attrs[FAILURE_ATTR])[:5000]
         if "warm_start" in trial.user_attrs:
             tags["warm_start"] = trial.user_attrs["warm_start"]
-        run = self.client.create_run(
+        run_id = self.client.create_run(
             self.experiment_id, run_name=f"trial {trial.number}", tags=tags
-        )
+        ).info.run_id
+        try:
+            self._log_params_and_metrics(run_id, trial)
+        except Exception:  # not left RUNNING; the error is tagged at the end (refresh_trial_tags)
+            with contextlib.suppress(Exception):
+                self.client.set_terminated(run_id, RunStatus.to_string(RunStatus.FAILED))
+            raise
+        status = RunStatus.FINISHED if trial.state == TrialState.COMPLETE else RunStatus.FAILED
+        self.client.set_terminated(run_id, RunStatus.to_string(status))
+
+    def _log_params_and_metrics(self, run_id: str, trial: FrozenTrial) -> None:
+        """A trial's policy as params, its metrics as metrics."""
         policy = trial.user_attrs.get("policy")
         record_params = policy_columns(
             None if policy is None else KVPolicy.from_dict(policy), self.num_layers
@@ -143,11 +156,9 @@ class StudyTracker:
             metrics.append(Metric("cached", float(trial.user_attrs["cached"]), now, 0))
             metrics.append(Metric("trial_seconds", float(trial.user_attrs["seconds"]), now, 0))
         for chunk in _chunks(params):
-            self.client.log_batch(run.info.run_id, params=chunk, synchronous=True)
+            self.client.log_batch(run_id, params=chunk, synchronous=True)
         for chunk in _chunks(metrics):
-            self.client.log_batch(run.info.run_id, metrics=chunk, synchronous=True)
-        status = RunStatus.FINISHED if trial.state == TrialState.COMPLETE else RunStatus.FAILED
-        self.client.set_terminated(run.info.run_id, RunStatus.to_string(status))
+            self.client.log_batch(run_id, metrics=chunk, synchronous=True)
 
     def trial_runs(self) -> list[Any]:
         """Every trial run of the experiment (all invocations)."""
@@ -163,34 +174,30 @@ class StudyTracker:
             if not token:
                 return runs
 
-    def refresh_pareto_tags(self, front: Sequence[int]) -> None:
-        for run in self.trial_runs():
-            on_front = int(run.data.tags["trial_number"]) in front
-            tag = RunTag("pareto", "true" if on_front else "false")
-            self.client.log_batch(run.info.run_id, tags=[tag], synchronous=True)
-
-    def finish(
-        self,
-        records: Sequence[TrialRecord],
-        front: Sequence[int],
-        objectives: Sequence[str],
-        front_policies: Mapping[int, str],
-        recipe_yaml: str,
+    def refresh_trial_tags(
+        self, front: Sequence[int], errors: Mapping[int, Mapping[str, str]]
     ) -> None:
-        """Refresh pareto tags, attach the study's artifacts to the parent run, close it."""
-        self.refresh_pareto_tags(front)
-        with tempfile.TemporaryDirectory() as folder:
-            out = Path(folder)
-            write_trials_csv(records, front, self.num_layers, out / "trials.csv")
-            (out / "recipe.yaml").write_text(recipe_yaml)
-            if any(r.complete for r in records):
-                pareto_png(records, front, objectives, out / "pareto_front.png")
-                pareto_html(records, front, objectives, self.num_layers, out / "pareto_front.html")
-            (out / "front").mkdir()
-            for number, text in front_policies.items():
-                (out / "front" / f"trial_{number}.kvtune.yaml").write_text(text)
-            self.client.log_artifacts(self.parent_id, str(out))
-        self.client.set_tag(self.parent_id, "pareto_trials", ",".join(map(str, front)) or "none")
+        """Every trial run's `pareto` tag, and its trial's recorded bookkeeping errors."""
+        for run in self.trial_runs():
+            number = int(run.data.tags["trial_number"])
+            tags = [RunTag("pareto", "true" if number in front else "false")]
+            tags += [
+                RunTag(f"{ERROR_ATTR}.{step}", text)
+                for step, text in errors.get(number, {}).items()
+            ]
+            self.client.log_batch(run.info.run_id, tags=tags, synchronous=True)
+
+    def log_result_files(self, folder: Path, paths: Sequence[Path]) -> None:
+        """The invocation's result files, at their place relative to the study's folder."""
+        for path in paths:
+            where = path.parent.relative_to(folder).as_posix()
+            self.client.log_artifact(self.parent_id, str(path), None if where == "." else where)
+
+    def finish(self, front: Sequence[int], failed_steps: Mapping[str, str]) -> None:
+        """Tag the front and the invocation's failed steps on the parent run, and close it."""
+        tags = [RunTag("pareto_trials", ",".join(map(str, front)) or "none")]
+        tags += [RunTag(f"{ERROR_ATTR}.{step}", text) for step, text in failed_steps.items()]
+        self.client.log_batch(self.parent_id, tags=tags, synchronous=True)
         self.client.set_terminated(self.parent_id, "FINISHED")
 
     def fail(self) -> None:
