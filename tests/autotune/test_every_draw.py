@@ -69,6 +69,7 @@ from kvtune.autotune.study.results import (
 )
 from kvtune.autotune.tracking.mlflow_tracker import StudyTracker
 from kvtune.autotune.tracking.plots import pareto_html, pareto_png
+from kvtune.autotune.tracking.result_files import StudyResults, write_result_files
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.kernels.formats.scale_formats import SCALE_FORMATS
 from kvtune.runtime.arch import GIB, ModelArch
@@ -601,9 +602,13 @@ def test_mlflow_finish_attaches_the_study(group, studies, tmp_path):
     tracker = study.tracker
     records = list(study.records.values())
     front = [record.number for record in pareto_front(records, study.setup.objectives)]
-    policies = {number: study.records[number].policy.to_yaml() for number in front}
     recipe = yaml.safe_dump(study.setup.recipe, sort_keys=False)
-    tracker.finish(records, front, study.setup.objectives, policies, recipe)
+    results = StudyResults(records, front, study.setup.objectives, LAYERS, recipe)
+    folder = tmp_path / "study"
+    written = write_result_files(folder, results)  # raises: here an error is fatal
+    tracker.refresh_trial_tags(front, {})
+    tracker.log_result_files(folder, written)
+    tracker.finish(front, {})
     parent = tracker.client.get_run(tracker.parent_id)
     assert parent.info.status == "FINISHED"
     assert parent.data.tags["pareto_trials"] == ",".join(map(str, front))
