@@ -446,6 +446,12 @@ def test_planner_counts_the_policy_bytes(source):
     assert trial["kv_bytes_per_sequence"] == kv_bytes_per_sequence(
         ARCH, policy, setup.workload.context_len
     )
+    # A trial's capacity is the planner's at the workload's context, reserve included.
+    at_context = dataclasses.replace(serve, max_model_len=setup.workload.context_len)
+    row = build_plan(ARCH, policy, device, at_context).chosen
+    per_sequence_at_context = trial["kv_bytes_per_sequence"] + row.reserve_bytes_per_sequence
+    fits = max(0, budget - row.reserve_bytes_shared)
+    assert trial["max_num_seqs"] == fits // per_sequence_at_context
 
 
 @each_source

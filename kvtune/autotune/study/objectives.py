@@ -32,18 +32,12 @@ from kvtune.autotune.config.workload import Workload
 from kvtune.autotune.evaluation import evaluate, load_suite
 from kvtune.autotune.evaluation.baseline_cache import suite_content_fingerprint
 from kvtune.autotune.evaluation.evaluator import eval_cache_dir
-from kvtune.autotune.planning.capacity import kv_budget_bytes, max_num_seqs, predicted_decode_ms
+from kvtune.autotune.planning.capacity import capacity_row, kv_budget_bytes, predicted_decode_ms
 from kvtune.autotune.search.sensitivity import RuntimeSettings
 from kvtune.autotune.study.latency import measure_latency
 from kvtune.runtime.arch import GIB, ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
-from kvtune.runtime.kv_bytes import (
-    host_kv_bytes_per_sequence,
-    kv_bytes_per_sequence,
-    kv_bytes_per_token,
-    max_fetch_bytes_per_step,
-)
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.policy import KVPolicy
 
@@ -144,22 +138,23 @@ class TrialFailure(Exception):
 def capacity_metrics(
     arch: ModelArch, policy: KVPolicy, device: DeviceSpec, serve: ServeSettings, workload: Workload
 ) -> dict[str, float]:
-    """Byte arithmetic and the planner's figures for the target device (nothing measured);
+    """Byte arithmetic and the planner's figures for the target device at the workload's
+    context (nothing measured): capacity counts kvtune's engine reserve, as `kvtune plan` does;
     a policy with a host tier adds its host bytes and the most a decode step fetches."""
-    per_sequence = kv_bytes_per_sequence(arch, policy, workload.context_len)
+    at_context = dataclasses.replace(serve, max_model_len=workload.context_len)
     budget = kv_budget_bytes(arch, device, serve)
+    row = capacity_row("trial", arch, policy, device, at_context, budget, engine_reserve=True)
     metrics = {
-        "kv_bytes_per_sequence": float(per_sequence),
-        "kv_bytes_per_token": float(kv_bytes_per_token(arch, policy)),
-        "max_num_seqs": float(max_num_seqs(budget, per_sequence)),
-        "predicted_decode_ms": predicted_decode_ms(arch, device, workload.batch, per_sequence),
+        "kv_bytes_per_sequence": float(row.kv_bytes_per_sequence),
+        "kv_bytes_per_token": float(row.kv_bytes_per_token),
+        "max_num_seqs": float(row.max_num_seqs),
+        "predicted_decode_ms": predicted_decode_ms(
+            arch, device, workload.batch, row.kv_bytes_per_sequence
+        ),
     }
     if policy.selects:
-        context = workload.context_len
-        metrics["host_kv_bytes_per_sequence"] = float(
-            host_kv_bytes_per_sequence(arch, policy, context)
-        )
-        metrics["max_fetch_bytes_per_step"] = float(max_fetch_bytes_per_step(arch, policy, context))
+        metrics["host_kv_bytes_per_sequence"] = float(row.host_kv_bytes_per_sequence)
+        metrics["max_fetch_bytes_per_step"] = float(row.max_fetch_bytes_per_step)
     return metrics
 
 
