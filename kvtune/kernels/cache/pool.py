@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtune.kernels.formats.directed_rounding import ROUND_NEAREST, quantize_rounded_ref
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.kernels.formats.quantize import (
     check_kernel_format,
     code_width,
     dequantize_ref,
-    quantize_ref,
     tensor_scale_or_one,
 )
 from kvtune.kernels.native.copy_rows import copy_head_rows_native
@@ -190,16 +190,19 @@ def gather_blocks(blocks: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return rows.view(*table.shape, *blocks.shape[1:])
 
 
-def write_vectors_ref(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> None:
+def write_vectors_ref(
+    pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor, rounding: str = ROUND_NEAREST
+) -> None:
     """Quantize vectors [len(slots), num_heads, head_dim] into pool at slots; slot < 0 skips.
     A token-grouped pool takes whole token groups: slots in runs of token_group consecutive
-    slots, each run starting at a multiple of token_group."""
+    slots, each run starting at a multiple of token_group. rounding: to nearest, or up / down
+    (values read back >= / <= the vectors: `kvtune.kernels.formats.directed_rounding`)."""
     keep = slots >= 0
     slots = slots[keep].long()
     rows = pool.fmt.token_group
     if rows > 1 and not _whole_token_groups(slots, rows):
         raise ValueError(f"slots: {pool.fmt} needs whole, aligned runs of {rows} slots")
-    codes, scales = quantize_ref(vectors[keep], pool.fmt, pool.tensor_scale)
+    codes, scales = quantize_rounded_ref(vectors[keep], pool.fmt, pool.tensor_scale, rounding)
     pool.codes.flatten(0, 1)[slots] = codes
     if scales is not None:
         pool.scales.flatten(0, 1)[slots[::rows] // rows] = scales

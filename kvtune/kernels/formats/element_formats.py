@@ -110,6 +110,9 @@ class ElementFormat(FormatInfo):
         on a tie). 0 = one candidate.
     scale_dtype: the one scale dtype the format's scale words need (None: any).
     whole_vector: one group is one whole vector (group_size = head_dim, per token).
+    per_element: a stored value is decoded from its own code and its group's scale words alone
+        (False: Lloyd-Max's norm correction rescales a group by all its codes), so a code can be
+        chosen element by element to round up or down (`kvtune.kernels.formats.directed_rounding`).
     affine_decode: a stored value is code value x group scale (+ zero point), which the fast
         readers (`kvtune.kernels.cache.pool.read_blocks_into`, the native CPU reader) apply
         themselves; False: only `quantize.dequantize` / `dequantize_ref` decode it.
@@ -133,6 +136,7 @@ class ElementFormat(FormatInfo):
     alt_max_code: float = 0.0
     scale_dtype: str | None = None
     whole_vector: bool = False
+    per_element: bool = True
     affine_decode: bool = True
     few_levels: bool = False
     torch_dtype: torch.dtype = torch.uint8
@@ -234,6 +238,7 @@ def _lloyd_format(bits: int) -> ElementFormat:
         decode=lambda packed: decode_codes_fast(packed, bits),
         scale_dtype="fp16",
         whole_vector=True,
+        per_element=False,
         affine_decode=False,
     )
 

@@ -54,7 +54,7 @@ kernels that pass it through need no change. A format with a zero point keeps it
 buffer, after the vector's group scales, so the helpers need no extra pointer.
 
 Where a format plugs in: the CODE switches of `load_dequant_tile`, `_group_parameters`,
-`_store_codes` and `_to_code_units`, with their torch references `_quantize_groups_ref` and
+`_store_codes` and `_to_code_units`, with their torch references `quantize_groups_ref` and
 `dequantize_ref`, are the one place the kernels name code families (the CODE constants of
 `kvtune.kernels.formats.element_formats`). A format of a new family adds its branch to each,
 calling the Triton helpers and references of its own codes module; another bit width of an
@@ -745,7 +745,7 @@ def quantize_ref(
         # [N/rows, rows, H, G, size] -> one long group per (row group, head, channel group).
         blocked = scaled.unflatten(0, (-1, rows)).unflatten(-1, (groups, size))
         grouped = blocked.permute(0, 2, 3, 1, 4).flatten(-2)
-    in_code_units, scales = _quantize_groups_ref(grouped, fmt)
+    in_code_units, scales = quantize_groups_ref(grouped, fmt)
     if rows == 1:
         scaled = in_code_units.flatten(-2)
     else:
@@ -754,7 +754,7 @@ def quantize_ref(
     return fmt.element.encode(scaled), scales
 
 
-def _quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Groups [..., G, n] in tensor-scaled units -> (the same in code units, stored scales
     [..., G] or [..., 2G] with the zero points after the scales)."""
     family = fmt.element.family

@@ -7,10 +7,11 @@ different blocks) the csa_topk blocks it scores best among those it sees, and re
 exactly; the summaries of those blocks are then hidden from it, so that no block counts twice.
 Three indexes:
 - bounds (Quest): one slot a block holding the per-channel max (in K) and min (in V) of its
-  keys, in the cache's rotated space or in the model's basis (a separate index pool).
-  sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the block, so a block
-  holding the one key a query matches scores high whatever its other keys; a query head group
-  scores a block by the largest bound of its query heads.
+  keys, in the cache's rotated space or in the model's basis (a separate index pool), stored
+  rounded outward (`write_key_bounds`): read back, hi >= every key of the block >= lo, channel
+  by channel. So sum_d max(q_d hi_d, q_d lo_d) bounds q.k from above for every key of the
+  block, and a block holding the one key a query matches scores high whatever its other keys;
+  a query head group scores a block by the largest bound of its query heads.
 - means: one K slot a block holding the mean of its cached (post-RoPE) keys, at half the
   bound's bytes; q.mean is the mean logit the block's keys get. On SmolLM2 it ranks blocks by
   the attention mass they draw better than the bound does (`benchmarks.selection_scoring`),
@@ -40,6 +41,12 @@ from kvtune.kernels.attention.paged import PagedStream
 from kvtune.kernels.attention.paged_torch import group_keys
 from kvtune.kernels.attention.query_groups import query_groups
 from kvtune.kernels.cache.pool import KVPool, read_blocks_into, read_blocks_ref, write_vectors_ref
+from kvtune.kernels.formats.directed_rounding import (
+    ROUND_DOWN,
+    ROUND_NEAREST,
+    ROUND_UP,
+    rounds_per_element,
+)
 from kvtune.kernels.formats.rotation import Rotation, unrotate
 from kvtune.kernels.native.read_blocks import index_products_native
 
@@ -61,10 +68,20 @@ def write_key_bounds(
     rotation: Rotation | None = None,
 ) -> None:
     """The per-channel max and min of the keys of each of `blocks`, written to slots[i] of
-    hi_pool and lo_pool in their formats, in the index's space (`_index_keys`)."""
+    hi_pool and lo_pool in their formats, in the index's space (`_index_keys`), the max rounded
+    up and the min rounded down: read back, hi >= every key of the block >= lo, element for
+    element, so that Quest's score bounds q.k. That holds in every separate index dtype
+    (CSA_INDEX_DTYPES) and in the layer formats of an auto index with group scales; a layer
+    format with one tensor scale clips a value past its range, and Lloyd-Max codes (rounded a
+    whole group at once) are stored to nearest (`kvtune.kernels.formats.directed_rounding`)."""
     vectors = _index_keys(keys, blocks, rotation)
-    write_vectors_ref(hi_pool, slots, vectors.amax(dim=1))
-    write_vectors_ref(lo_pool, slots, vectors.amin(dim=1))
+    write_vectors_ref(hi_pool, slots, vectors.amax(dim=1), _outward(hi_pool, ROUND_UP))
+    write_vectors_ref(lo_pool, slots, vectors.amin(dim=1), _outward(lo_pool, ROUND_DOWN))
+
+
+def _outward(pool: KVPool, rounding: str) -> str:
+    """rounding where the pool's format rounds element by element, else to nearest."""
+    return rounding if rounds_per_element(pool.fmt) else ROUND_NEAREST
 
 
 def write_key_means(

@@ -92,10 +92,13 @@ class KVPolicy:
         staging blocks, which every layer shares, so device bytes follow the largest budget;
         the fetched bytes and the blocks attended follow each layer's own.
     csa_index: how selection scores a block: bounds (an upper bound of q.k over the block from
-        its per-channel key max and min, kept in one device slot a block; Quest), means (q.k
-        with the mean of the block's cached keys, one K slot a block: half the bounds' bytes,
-        but on SmolLM2 it loses multi-token retrieval) or summaries (the attention its
-        summaries get; no extra bytes).
+        its per-channel key max and min, kept in one device slot a block; Quest: stored rounded
+        outward, so that read back they bound every key of the block in every separate
+        csa_index_dtype and in grouped layer formats, while an auto index in a per-tensor layer
+        format clips at its range and in Lloyd-Max codes rounds to nearest), means (q.k with
+        the mean of the block's cached keys, one K slot a block: half the bounds' bytes, but on
+        SmolLM2 it loses multi-token retrieval) or summaries (the attention its summaries get;
+        no extra bytes).
     csa_index_dtype: where bounds or means live: auto (one slot a block in the layer's
         formats and rotated space), or a dtype of CSA_INDEX_DTYPES (fp16, fp8, int8, int4, ...:
         any whose codes take groups of 32 channels with fp16 scales): a separate index pool in
