@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import kvtune.runtime.engine as engine_module
+from kvtune.kernels.cache.pool import KVPool
 from kvtune.runtime import LLM
 from kvtune.runtime.host_fetch import HostFetch
 from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
-from kvtune.runtime.pool_kinds import HOST, MAIN
+from kvtune.runtime.pool_kinds import HOST, INDEX, MAIN, STAGE
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8
@@ -32,6 +33,7 @@ SELECT = KVPolicy(
     csa_host=True,
     block_size=BLOCK,
 )
+STAGINGS = ["resident", "streamed"]
 
 
 @pytest.mark.parametrize("summary", ["pre_rope", "none"])
@@ -112,31 +114,62 @@ def test_a_streamed_staging_pool_reads_the_same_blocks_and_refetches_them_every_
     assert engine.blocks.pools[MAIN].num_blocks < resident.engine.blocks.pools[MAIN].num_blocks
 
 
-def test_the_cache_a_document_leaves_does_not_depend_on_the_question(tiny_llama):
-    """Pooled summaries and host blocks of a document are the same bits whatever question
-    follows it in the same prefill chunk; only the per-step choice uses the question."""
+def _at_slots(pool: KVPool, slots: torch.Tensor) -> list[torch.Tensor]:
+    """The codes and scales a pool holds at token slots."""
+    held = [pool.codes.flatten(0, 1)[slots]]
+    return held if pool.scales is None else [*held, pool.scales.flatten(0, 1)[slots]]
+
+
+def _in_blocks(pool: KVPool, blocks: list[int]) -> list[torch.Tensor]:
+    """The codes and scales a pool holds in whole blocks."""
+    ids = torch.tensor(blocks, dtype=torch.long)
+    return [pool.codes[ids]] if pool.scales is None else [pool.codes[ids], pool.scales[ids]]
+
+
+def _slots(blocks: list[int], count: int) -> torch.Tensor:
+    """Token slots of the first `count` vectors of a stream laid out in `blocks`."""
+    return torch.tensor([blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(count)])
+
+
+def document_cache(llm: LLM, document: list[int]) -> list[torch.Tensor]:
+    """After one prefill step, in every layer, K and V: the codes and scales of what the cache
+    holds for the document's tokens (sinks, and the summaries, host-tier blocks and index slots
+    of the older blocks made of document tokens only) and of the staging blocks (allocated,
+    not yet written: prefill reads the host tier in place)."""
+    engine = llm.engine
+    kv = next(iter(engine.scheduler.kv.values()))
+    policy = engine.policy
+    older = (len(document) - policy.csa_sinks) // BLOCK  # blocks of document tokens only
+    assert len(kv.host_blocks) >= older  # the question pushed them all out of the window
+    assert kv.staging_blocks
+    sink_slots = _slots([b.block_id for b in kv.sinks.blocks], policy.csa_sinks)
+    summary_slots = _slots(kv.summary_blocks, older * BLOCK // policy.csa_ratio)
+    index_slots = _slots(kv.index_blocks, older)
+    held = []
+    for layer in engine.cache.layers:
+        for pools in (layer.k, layer.v):
+            staging = pools[STAGE] if policy.streams_staging else pools[MAIN]
+            held += _at_slots(pools[MAIN], sink_slots) + _at_slots(pools[MAIN], summary_slots)
+            held += _in_blocks(pools[HOST], kv.host_blocks[:older])
+            held += _at_slots(pools[INDEX], index_slots)
+            held += _in_blocks(staging, kv.staging_blocks)
+    return held
+
+
+@pytest.mark.parametrize("staging", STAGINGS)
+def test_the_cache_a_document_leaves_does_not_depend_on_the_question(tiny_llama, staging):
+    """What a document's tokens leave in the cache (every layer's sinks, summaries, host-tier
+    blocks and index bounds, codes and scales) and the staging blocks are the same bits
+    whatever question follows it in the same prefill chunk: only the per-step choice uses the
+    question."""
     document = random_tokens(96, seed=14)
+    policy = SELECT.replace(csa_staging=staging)
     caches = []
     for seed in (15, 16):
-        llm = LLM(str(tiny_llama), policy=SELECT, max_model_len=256)
-        engine = llm.engine
-        engine.add_request(document + random_tokens(20, seed=seed), max_new_tokens=2)
-        engine.step()
-        kv = next(iter(engine.scheduler.kv.values()))
-        pooled = (len(document) - SELECT.csa_sinks - SELECT.csa_window) // BLOCK
-        summaries = pooled * BLOCK // SELECT.csa_ratio
-        layer = engine.cache.layers[1]
-        summary_slots = torch.tensor(
-            [kv.summary_blocks[i // BLOCK] * BLOCK + i % BLOCK for i in range(summaries)]
-        )
-        caches.append(
-            (
-                layer.k[MAIN].codes.flatten(0, 1)[summary_slots],
-                layer.v[MAIN].codes.flatten(0, 1)[summary_slots],
-                layer.k[HOST].codes[kv.host_blocks[:pooled]],
-                layer.v[HOST].codes[kv.host_blocks[:pooled]],
-            )
-        )
+        llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
+        llm.engine.add_request(document + random_tokens(20, seed=seed), max_new_tokens=2)
+        llm.engine.step()
+        caches.append(document_cache(llm, document))
     for first, second in zip(*caches, strict=True):
         assert torch.equal(first, second)
 
@@ -157,7 +190,6 @@ def test_prefill_from_a_remote_host_tier_reads_a_scratch_copy_with_the_same_resu
     assert remote.stats()["kv_fetched_bytes"] > 0
 
 
-STAGINGS = ["resident", "streamed"]
 QUEST = SELECT.replace(
     k_dtype="fp16", v_dtype="fp16", csa_summary="none", csa_topk=3, chunk_size=32
 )

@@ -19,20 +19,28 @@ from kvtune.kernels.selection.blocks import select_blocks, write_key_bounds, wri
 BLOCK, KV_HEADS, Q_HEADS, HEAD_DIM = 8, 2, 6, 16
 
 
-def _stream(lengths: list[int], generator: torch.Generator) -> PagedStream:
+def _stream(lengths: list[int], generator: torch.Generator, stride: int = 1) -> PagedStream:
+    """Random K and V pools of their own, K above V channel by channel as a bounds index holds
+    maxima in K and minima in V (a rule reading one for the other chooses otherwise); stride:
+    tokens a vector stands for."""
     blocks_per_seq = max(math.ceil(n / BLOCK) for n in lengths)
-    pool = KVPool.allocate(
-        KVFormat("fp32"), len(lengths) * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM
-    )
-    values = torch.randn(pool.num_slots, KV_HEADS, HEAD_DIM, generator=generator) * 2
-    write_vectors_ref(pool, torch.arange(pool.num_slots), values)
+    slots = len(lengths) * blocks_per_seq * BLOCK
+    middle = torch.randn(slots, KV_HEADS, HEAD_DIM, generator=generator) * 2
+    spread = torch.rand(slots, KV_HEADS, HEAD_DIM, generator=generator) * 2
+    pools = []
+    for values in (middle + spread, middle - spread):
+        pool = KVPool.allocate(
+            KVFormat("fp32"), len(lengths) * blocks_per_seq, BLOCK, KV_HEADS, HEAD_DIM
+        )
+        write_vectors_ref(pool, torch.arange(pool.num_slots), values)
+        pools.append(pool)
     table = torch.arange(len(lengths) * blocks_per_seq, dtype=torch.int32).view(len(lengths), -1)
     return PagedStream(
-        pool,
-        pool,
+        *pools,
         table,
         torch.tensor(lengths, dtype=torch.int32),
         torch.zeros(len(lengths), dtype=torch.int32),
+        stride,
     )
 
 
@@ -87,10 +95,11 @@ def test_prefill_queries_choose_only_among_summaries_they_see():
         assert not chosen[p, :, seen_blocks:].any(), p
 
 
-def _bounds_reference(q, stream, topk) -> torch.Tensor:
+def _bounds_reference(q, stream, topk, pick=torch.maximum) -> torch.Tensor:
     """Quest's rule from its definition: per query head, sum_d max(q_d hi_d, q_d lo_d) with
     hi/lo each block's stored bounds (K holds hi, V holds lo); a KV head takes its query
-    heads' largest; the topk best blocks."""
+    heads' largest; the topk best blocks. pick=torch.minimum: what a rule that read hi for lo
+    would score (the lower bound)."""
     rows = []
     for seq, query in enumerate(q):
         length = int(stream.lengths[seq])
@@ -104,21 +113,28 @@ def _bounds_reference(q, stream, topk) -> torch.Tensor:
             for head in range(Q_HEADS):
                 if head // (Q_HEADS // KV_HEADS) != kv_head:
                     continue
-                upper = torch.maximum(query[head] * hi[:, kv_head], query[head] * lo[:, kv_head])
+                upper = pick(query[head] * hi[:, kv_head], query[head] * lo[:, kv_head])
                 best = torch.maximum(best, upper.sum(-1))
             chosen[kv_head, best.argsort(descending=True)[:topk]] = True
         rows.append(chosen)
     return torch.stack(rows)
 
 
+@pytest.mark.parametrize("prefill", [False, True])
 @pytest.mark.parametrize("topk", [1, 4])
-def test_bounds_selection_matches_quest_rule(topk):
+def test_bounds_selection_matches_quest_rule(topk, prefill):
+    """Decode scores in one batched product, prefill chunk by chunk: both by Quest's rule,
+    maxima from K and minima from V (distinct pools: a rule that swapped them would score the
+    lower bound, which chooses otherwise, as the last check shows). A prefill query far past
+    the index sees every block."""
     generator = torch.Generator().manual_seed(topk)
-    stream = _stream([24, 8, 16], generator)
+    stream = _stream([24, 8, 16], generator, stride=BLOCK)
     q = torch.randn(3, Q_HEADS, HEAD_DIM, generator=generator)
     starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
-    chosen = select_blocks(q, None, starts, stream, 1, topk, 0.25, "bounds")
+    positions = torch.full((3,), 1000, dtype=torch.int32) if prefill else None
+    chosen = select_blocks(q, positions, starts, stream, 1, topk, 0.25, "bounds")
     assert torch.equal(chosen, _bounds_reference(q, stream, topk))
+    assert not torch.equal(chosen, _bounds_reference(q, stream, topk, torch.minimum))
 
 
 def _with_nan_past_lengths(stream: PagedStream) -> PagedStream:
