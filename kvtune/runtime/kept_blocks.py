@@ -7,8 +7,13 @@ the csa_keep * KEEP_GROUP candidates with the most attention received per query 
 (kernels/window_mass.py; a later block of the group has been in the window for fewer queries).
 A kept copy is shown, and its summaries hidden, from the position its block leaves the window.
 
-Only queries before the decision count, in prefill as in decode: the device cache a document
-leaves behind never depends on a question that follows it.
+Only queries before a group's decision count, in prefill as in decode: keeping is causal. What
+the cache holds once a prompt's first n tokens are processed (kept blocks and the importance
+of undecided groups) depends on those tokens alone, so a document cached for reuse serves any
+question that follows, and the groups decided within the document keep the same blocks
+whatever follows. A group whose first block is still in the window when the document ends is
+decided later, with the attention of the tokens after it: the question's in prefill, as decode
+steps' queries decide the groups of a generation (SnapKV chooses by the question's attention).
 """
 
 from __future__ import annotations

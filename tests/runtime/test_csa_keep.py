@@ -2,22 +2,26 @@
 
 Oracles: the keep rule recomputed here from its definition (dense softmax over the window each
 query saw, from the q and k the attention received), the block count from the policy's
-documented formula, the cache a document leaves under two different questions, and the
+documented formula, the groups a document decides under two different questions, and the
 uncompressed cache (kept blocks bring the logits nearer to it than pooling alone).
 """
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from kvtune.runtime import LLM
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_cache import KVCache
 from kvtune.runtime.policy import KVPolicy
 from kvtune.runtime.pool_kinds import MAIN
+from tests.runtime.conftest import build_tiny_model
 from tests.runtime.test_engine import random_tokens, relative_error
 
 BLOCK = 8
@@ -137,27 +141,56 @@ def test_kept_blocks_count_as_the_formula_says_and_hold_the_chosen_codes(tiny_ll
                     assert torch.equal(got, want), (layer, slot, head)
 
 
-def test_the_cache_a_document_leaves_does_not_depend_on_the_question(tiny_llama):
-    """Groups decided within a document keep the same blocks, bit for bit, whatever question
-    follows it in the same prefill chunks."""
-    document = random_tokens(190, seed=23)
-    decided_in_document = [
-        first
-        for first in range(0, 64, GROUP)
-        if KEEP.csa_sinks + (first + 1) * BLOCK + KEEP.csa_window <= len(document)
+@pytest.fixture(scope="module")
+def sharp_llama(tmp_path_factory) -> Path:
+    """The tiny Llama with its q and k projections x10: at the default weights (std 0.02) every
+    window is attended almost uniformly and the keep choices follow positions alone, whatever
+    the tokens; here what a query attends decides them."""
+    folder = build_tiny_model(tmp_path_factory.mktemp("sharp"), "llama")
+    weights = folder / "model.safetensors"
+    with safe_open(weights, "pt") as handle:
+        metadata = handle.metadata()
+    tensors = load_file(weights)
+    for name in tensors:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            tensors[name] = tensors[name] * 10
+    save_file(tensors, weights, metadata=metadata)
+    return folder
+
+
+def test_a_document_decides_its_groups_alone_and_the_question_the_rest(sharp_llama):
+    """Keeping is causal. Groups decided within a document keep the same blocks, bit for bit in
+    every layer, whatever question follows it in the same prefill chunks; a group still in the
+    window when the document ends is decided by the rule over the whole prompt, the question's
+    queries included, so two questions keep different blocks there."""
+    document = random_tokens(140, seed=23)
+    decided = [
+        KEEP.csa_sinks + (first + 1) * BLOCK + KEEP.csa_window for first in range(0, 24, GROUP)
     ]
-    assert decided_in_document  # the document is long enough to decide a group
-    slots = len(decided_in_document) * int(KEEP.csa_keep * GROUP)
-    caches = []
+    in_document = sum(1 for at in decided if at <= len(document))
+    assert 0 < in_document < len(decided)  # groups decided in the document and after it
+    slots = in_document * int(KEEP.csa_keep * GROUP)
+    caches, later = [], []
     for seed in (24, 25):
-        llm, kv, _ = run_prompt(tiny_llama, KEEP, document + random_tokens(60, seed=seed))
-        layer = llm.engine.cache.layers[1]
-        blocks = kv.keep_blocks[:slots]
-        caches.append(
-            (kv.kept[1][:slots].cpu(), layer.k[MAIN].codes[blocks], layer.v[MAIN].codes[blocks])
-        )
+        prompt = document + random_tokens(60, seed=seed)
+        assert decided[in_document] <= len(prompt)  # the next group is decided in the question
+        llm, kv, recorded = run_prompt(sharp_llama, KEEP, prompt, record=True)
+        pooled = (len(prompt) - KEEP.csa_sinks - KEEP.csa_window) // BLOCK
+        scale = 1 / math.sqrt(llm.arch.head_dim)
+        cache = []
+        for layer, pools in enumerate(llm.engine.cache.layers):
+            q, k = recorded[layer]
+            kept = kv.kept[layer].cpu()
+            expected = kept_by_definition(q[: len(prompt)], k[: len(prompt)], KEEP, pooled, scale)
+            assert torch.equal(kept, expected), layer
+            blocks = kv.keep_blocks[:slots]
+            cache += [kept[:slots], pools.k[MAIN].codes[blocks], pools.v[MAIN].codes[blocks]]
+            later.append(kept[slots:])
+        caches.append(cache)
     for first, second in zip(*caches, strict=True):
         assert torch.equal(first, second)
+    layers = len(later) // 2
+    assert any(not torch.equal(a, b) for a, b in zip(later[:layers], later[layers:], strict=True))
 
 
 def test_kept_blocks_bring_the_logits_nearer_the_exact_cache_than_pooling_alone(tiny_llama):
