@@ -32,11 +32,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvtune.autotune.cache import ACCURACY_CODE, JsonCache, default_cache_folder
+from kvtune.autotune.cache import ACCURACY_CODE, JsonCache, code_key, default_cache_folder
 from kvtune.autotune.evaluation import EvalSuite, evaluate, load_suite
 from kvtune.autotune.evaluation.baseline_cache import suite_content_fingerprint
 from kvtune.autotune.evaluation.evaluator import eval_cache_dir
-from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
 
@@ -115,7 +115,7 @@ def validity_key(policy: KVPolicy, suite: EvalSuite) -> dict:
         "model": model_fingerprint(resolve_model(suite.model)),
         "suite": suite_content_fingerprint(suite, eval_cache_dir()),
         "policy": policy.to_dict(),
-        "code": code_fingerprint(*ACCURACY_CODE),
+        "code": code_key(*ACCURACY_CODE),
     }
 
 

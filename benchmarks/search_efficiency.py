@@ -43,7 +43,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from kvtune.autotune.cache import JsonCache, default_cache_folder
+from kvtune.autotune.cache import JsonCache, code_key, default_cache_folder
 from kvtune.autotune.evaluation import haystack
 from kvtune.autotune.search.sensitivity import (
     SENSITIVITY_CODE,
@@ -56,7 +56,7 @@ from kvtune.autotune.search.sensitivity import (
 from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.autotune.study.optuna_study import StudySettings, make_sampler
 from kvtune.runtime.arch import ModelArch, arch_from_folder
-from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy, canonical
@@ -93,7 +93,7 @@ def fidelity_key(
         "passage": hashlib.sha256(json.dumps(list(ids)).encode()).hexdigest()[:16],
         "policy": canonical(policy).to_dict(),
         "runtime": vars(runtime),
-        "code": code_fingerprint(*SENSITIVITY_CODE),
+        "code": code_key(*SENSITIVITY_CODE),
     }
 
 

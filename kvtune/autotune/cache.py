@@ -2,8 +2,9 @@
 
 A key names what produced a number by content, never by where it lives or by a hand-kept
 version: the model's files (config, weights, tokenizer) by SHA-256, the inputs (policy, the
-suite's definition and the task data it generated, workload, passage), a fingerprint of the
-source code that computes the number, and, for timings only, the machine that measured them.
+suite's definition and the task data it generated, workload, passage), the code that computes
+the number (a fingerprint of its Python source and which native CPU kernels ran: `code_key`),
+and, for timings only, the machine that measured them.
 So a changed checkpoint, suite or line of code misses, the same model copied elsewhere hits,
 and an accuracy measured on one machine serves another while its latencies are re-measured.
 
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtune.cache_root import cache_dir
+from kvtune.kernels.native.build import active_kernels
+from kvtune.runtime.fingerprint import code_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +57,13 @@ def _version(distribution: str) -> str | None:
         return importlib.metadata.version(distribution)
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def code_key(*modules: str) -> dict[str, Any]:
+    """What computes a cached number: the Python source of `modules` (code_fingerprint) and the
+    compute path this process runs, i.e. which C kernels are active (`active_kernels`: off with
+    KVTUNE_NATIVE=0 or without a compiler), whose torch twins differ in the last bits."""
+    return {"source": code_fingerprint(*modules), "native": active_kernels()}
 
 
 def machine_fingerprint(device: str) -> dict[str, Any]:

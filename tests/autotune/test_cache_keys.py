@@ -23,6 +23,7 @@ from kvtune.autotune.evaluation.evaluator import eval_cache_dir
 from kvtune.autotune.evaluation.task_files import task_folder
 from kvtune.autotune.search.sensitivity import RuntimeSettings, layer_sensitivity, sensitivity_key
 from kvtune.autotune.study.objectives import TrialContext, TrialEvaluator
+from kvtune.kernels.native.build import active_kernels
 from kvtune.runtime import KVPolicy
 from kvtune.runtime.arch import arch_from_folder
 from kvtune.runtime.fingerprint import model_fingerprint, source_fingerprint
@@ -219,3 +220,35 @@ def test_weights_change_misses_every_key(tiny_model_folder, trial_context, tmp_p
     change_weights(model)
     after = keys()
     assert all(old != new for old, new in zip(before, after, strict=True))
+
+
+def test_every_key_names_the_compute_path(tiny_model_folder, trial_context, monkeypatch):
+    """The C kernels and their torch twins differ in the last bits: with KVTUNE_NATIVE=0 (set
+    as the native build code reads it, in the environment) the torch paths compute, and every
+    key of a cached number misses; unset again, every key is what it was."""
+    if not any(active_kernels().values()):
+        pytest.skip("no native kernel builds here: the torch paths run either way")
+    suite = tiny_suite(tiny_model_folder)
+    folder = task_folder(suite, Tokenizer.from_folder(tiny_model_folder), eval_cache_dir())
+
+    def keys() -> list[str]:
+        evaluator = TrialEvaluator(trial_context, None)
+        return [
+            key_digest(key)
+            for key in (
+                baseline_key(suite, folder, tiny_model_folder),
+                evaluator.accuracy_key(POLICY),
+                evaluator.latency_key(POLICY),
+                sensitivity_key(tiny_model_folder, RuntimeSettings()),
+                validity_key(POLICY, suite),
+                fidelity_key(model_fingerprint(tiny_model_folder), [1], POLICY, RuntimeSettings()),
+            )
+        ]
+
+    native = keys()
+    monkeypatch.setenv("KVTUNE_NATIVE", "0")
+    assert not any(active_kernels().values())
+    torch_only = keys()
+    assert all(a != b for a, b in zip(native, torch_only, strict=True))
+    monkeypatch.delenv("KVTUNE_NATIVE")
+    assert keys() == native

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from kvtune.autotune.cache import ACCURACY_CODE, key_digest
+from kvtune.autotune.cache import ACCURACY_CODE, code_key, key_digest
 from kvtune.autotune.evaluation.fidelity import ScoredRows
 from kvtune.autotune.evaluation.scoring import TaskScore
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.suite_run import SuiteRun, run_suite
 from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
-from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
 from kvtune.runtime.tokenizer import Tokenizer
@@ -58,7 +58,7 @@ def baseline_key(suite: EvalSuite, folder: TaskFolder, model_folder: Path) -> di
         "model": model_fingerprint(model_folder),
         "suite": suite_fingerprint(suite, folder),
         "policy": BASELINE_POLICY.to_dict(),
-        "code": code_fingerprint(*ACCURACY_CODE),
+        "code": code_key(*ACCURACY_CODE),
     }
 
 

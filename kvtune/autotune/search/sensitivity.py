@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtune.autotune.cache import JsonCache
+from kvtune.autotune.cache import JsonCache, code_key
 from kvtune.runtime.arch import ModelArch
-from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.policy import KVPolicy
 from kvtune.runtime.tokenizer import Tokenizer
@@ -113,7 +113,7 @@ def sensitivity_key(folder: Path, runtime: RuntimeSettings) -> dict[str, Any]:
         "kind": "sensitivity",
         "model": model_fingerprint(folder),
         "runtime": vars(runtime),
-        "code": code_fingerprint(*SENSITIVITY_CODE),
+        "code": code_key(*SENSITIVITY_CODE),
     }
 
 

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from kvtune.autotune.cache import ACCURACY_CODE, LATENCY_CODE, JsonCache, machine_fingerprint
+from kvtune.autotune.cache import (
+    ACCURACY_CODE,
+    LATENCY_CODE,
+    JsonCache,
+    code_key,
+    machine_fingerprint,
+)
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
 from kvtune.autotune.config.workload import Workload
 from kvtune.autotune.evaluation import evaluate, load_suite
@@ -37,7 +43,7 @@ from kvtune.autotune.search.sensitivity import RuntimeSettings
 from kvtune.autotune.study.latency import measure_latency
 from kvtune.runtime.arch import GIB, ModelArch
 from kvtune.runtime.errors import ConfigError
-from kvtune.runtime.fingerprint import code_fingerprint, model_fingerprint
+from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.llm import LLM
 from kvtune.runtime.policy import KVPolicy
 
@@ -249,7 +255,7 @@ class TrialEvaluator:
             "model": self.model_hash,
             "policy": policy.to_dict(),
             "suite": self.suite_hash,
-            "code": code_fingerprint(*ACCURACY_CODE),
+            "code": code_key(*ACCURACY_CODE),
         }
 
     def latency_key(self, policy: KVPolicy) -> dict[str, Any]:
@@ -262,7 +268,7 @@ class TrialEvaluator:
             "workload": workload,
             "runtime": vars(ctx.runtime),
             "machine": self.machine,
-            "code": code_fingerprint(*LATENCY_CODE),
+            "code": code_key(*LATENCY_CODE),
         }
 
     def __call__(self, policy: KVPolicy) -> tuple[dict[str, float], bool]:

@@ -37,6 +37,18 @@ def native_enabled() -> bool:
     return os.environ.get(ENABLE_VARIABLE, "1") != "0"
 
 
+def active_kernels() -> dict[str, str | None]:
+    """Which C kernels compute in this process, for the keys of cached measurements (a kernel
+    and its torch path agree only to the last bits of rotations and index products): per C
+    source of this package (every kernel lives here, by file stem), a hash of its source and
+    flags where it is enabled and builds here, None where its torch path runs instead
+    (KVTUNE_NATIVE=0, no compiler, a failed build). Builds each kernel on its first use."""
+    return {
+        source.stem: _source_digest(source) if load_kernel(source) is not None else None
+        for source in sorted(Path(__file__).parent.glob("*.c"))
+    }
+
+
 def load_kernel(source: Path) -> ctypes.CDLL | None:
     """The library built from source (a C file), or None when native kernels are disabled or
     cannot be built here (the reason is logged once)."""
@@ -50,8 +62,8 @@ def _load(source: Path) -> ctypes.CDLL | None:
         logger.warning("native kernels: no C compiler (cc or $CC); the torch paths run instead")
         return None
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS), version, _cpu()):
-        key.update(part if isinstance(part, bytes) else part.encode())
+    for part in (_source_digest(source), version, _cpu()):
+        key.update(part.encode())
     target = cache_dir() / "native" / f"{source.stem}-{key.hexdigest()[:20]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -71,6 +83,13 @@ def _load(source: Path) -> ctypes.CDLL | None:
             return None
         os.replace(partial, target)  # atomic: concurrent builders leave one whole file
     return ctypes.CDLL(str(target))
+
+
+@functools.cache
+def _source_digest(source: Path) -> str:
+    """SHA-256 prefix of what decides a kernel's numbers: its source and the flags (the
+    machine's compiler and CPU name only where its library lies)."""
+    return hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
 
 
 @functools.cache
