@@ -85,7 +85,6 @@ def _load(source: Path) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(target))
 
 
-@functools.cache
 def _source_digest(source: Path) -> str:
     """SHA-256 prefix of what decides a kernel's numbers: its source and the flags (the
     machine's compiler and CPU name only where its library lies)."""
