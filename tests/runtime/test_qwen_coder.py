@@ -6,8 +6,10 @@ kvtune/runtime/gguf_convert.py).
 Checked: the preset conf/model/qwen2.5-coder-0.5b.yaml against the file's metadata; the
 converted folder's config, weights, tokenizer and chat template; and kvtune's runtime (paged
 fp16 cache, fp32 compute) against transformers' fp32 logits on a short chat prompt and on one
-crossing many KV blocks. The first use on a machine converts the model into the kvtune cache
-(about a minute on two CPU cores); the slow tests load the 630M-parameter model twice in fp32.
+crossing many KV blocks. The first use on a machine joins and converts the model into the
+kvtune cache (about 30 s on two CPU cores, 2.8 GB written); the slow tests load the
+630M-parameter model twice in fp32: the module takes about 95 s with the model converted, about
+3 min on an empty cache (a shared 2-core machine), and 6 GB of memory.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def test_preset_fields_are_the_gguf_metadata(metadata):
     assert preset["max_position_embeddings"] == 32768
 
 
+@pytest.mark.slow
 def test_converted_config_is_transformers_reading_of_the_gguf(qwen_folder, gguf_file):
     reference = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     ours = json.loads((qwen_folder / "config.json").read_text())
@@ -103,6 +106,7 @@ def test_converted_config_is_transformers_reading_of_the_gguf(qwen_folder, gguf_
     assert config.sliding_window is None  # attends to the whole context, as Qwen2.5 does
 
 
+@pytest.mark.slow  # converts the model on a machine's first use
 def test_a_context_beyond_32k_positions_is_refused_in_one_line(qwen_folder):
     with pytest.raises(ConfigError, match="max_position_embeddings \\(32768 tokens\\)") as error:
         LLM(NAME, policy=KVPolicy("fp16", "fp16"), max_model_len=32769)
