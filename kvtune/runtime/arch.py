@@ -56,6 +56,16 @@ class ModelArch:
         if self.dtype not in TORCH_DTYPES:
             raise ConfigError("model.dtype", self.dtype, f"one of {', '.join(TORCH_DTYPES)}")
 
+    def check_context(self, tokens: int, field: str) -> None:
+        """Refuse a context (tokens) longer than the positions the model was trained on."""
+        if tokens > self.max_position_embeddings:
+            raise ConfigError(
+                field,
+                tokens,
+                f"at most the model's max_position_embeddings ({self.max_position_embeddings} "
+                "tokens)",
+            )
+
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0

@@ -1,17 +1,21 @@
-"""Convert a llama-architecture GGUF file once into a Hugging Face-style folder.
+"""Convert a llama or qwen2 GGUF file once into a Hugging Face-style folder.
 
 Reading a GGUF costs seconds (metadata parsing, dequantization); the folder it becomes loads in
 about a second, memory-mapped, through the same safetensors path as any Hub checkpoint
 (kvtune/runtime/checkpoint.py). The folder holds:
 
-- config.json: a LlamaForCausalLM config from the GGUF metadata, torch_dtype float32;
+- config.json: the transformers config of the file's `general.architecture` from its metadata,
+  torch_dtype float32;
 - model.safetensors: the weights dequantized with gguf.quants.dequantize into float32, which
-  holds every dequantized value exactly (a Q4_1/Q8_0 value is an fp16 scale times a small
-  integer plus an fp16 offset), in Hugging Face layout: llama.cpp's interleaving of the q/k rows
-  for RoPE is undone;
+  holds every dequantized value exactly (a Q4/Q5/Q8 value is an fp16 scale times a small integer
+  plus an fp16 offset), in Hugging Face layout;
 - tokenizer.json: the byte-level BPE vocabulary, merges and control tokens, with the
   pre-tokenizer llama.cpp uses for the file's `tokenizer.ggml.pre`;
 - tokenizer_config.json: special tokens and the chat template.
+
+What differs between architectures is written once, in GGUF_ARCHITECTURES: the transformers
+model type, whether llama.cpp interleaved the q/k rows for RoPE (its llama converter does, its
+qwen2 converter does not), which projections carry biases, and config fields of their own.
 
 The folder is written under a temporary name and renamed into place, so an interrupted
 conversion never leaves a partial folder behind.
@@ -25,7 +29,8 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,32 +38,63 @@ import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from kvtune.runtime.checkpoint import ARCHITECTURES
 from kvtune.runtime.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-ARCHITECTURE = "llama"
-CONTROL_TOKEN = 3  # llama.cpp token types: 1 normal, 3 control, 4 user-defined
+CONTROL_TOKEN = 3  # llama.cpp token types: 1 normal, 3 control, 4 user-defined, 5 unused
 USER_DEFINED_TOKEN = 4
-# GGUF tensor names (per layer after "blk.N.") -> Hugging Face Llama names.
+# GGUF tensor names -> Hugging Face names; per layer after "blk.N.", without .weight/.bias.
 GLOBAL_TENSORS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """How a GGUF `general.architecture` becomes a transformers decoder.
+
+    model_type: config.json's model_type (a key of checkpoint.ARCHITECTURES).
+    permuted_rope_rows: llama.cpp stored the q/k rows of each head interleaved for its RoPE.
+    biased: the per-layer tensors (LAYER_TENSORS keys) that also have a bias.
+    config: config.json fields of this architecture alone.
+    """
+
+    model_type: str
+    permuted_rope_rows: bool
+    biased: frozenset[str] = frozenset()
+    config: Mapping[str, Any] = field(default_factory=dict)
+
+
+GGUF_ARCHITECTURES = {
+    "llama": GGUFArchitecture(
+        "llama", permuted_rope_rows=True, config={"attention_bias": False, "mlp_bias": False}
+    ),
+    # Qwen2 notes a sliding window that its released models leave off.
+    "qwen2": GGUFArchitecture(
+        "qwen2",
+        permuted_rope_rows=False,
+        biased=frozenset({"attn_q", "attn_k", "attn_v"}),
+        config={"use_sliding_window": False},
+    ),
+}
+ROPE_ROWS = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}
 
 
 def _smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
@@ -72,9 +108,27 @@ def _smollm_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
     )
 
 
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _qwen2_pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    """llama.cpp's "qwen2": its regex (GPT-4's, with single digits), then byte-level bytes.
+    Qwen2's own tokenizer.json also applies NFC first; llama.cpp does not, nor do we."""
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 # tokenizer.ggml.pre -> the equivalent `tokenizers` pre-tokenizer.
 PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "smollm": _smollm_pre_tokenizer,
+    "qwen2": _qwen2_pre_tokenizer,
 }
 
 
@@ -86,8 +140,8 @@ class _Metadata:
         self.source = source
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        entry = self.reader.fields.get(key)
+        return default if entry is None else entry.contents()
 
     def require(self, key: str) -> Any:
         value = self.get(key)
@@ -98,6 +152,13 @@ class _Metadata:
     def refuse(self, what: object, allowed: str) -> ConfigError:
         return ConfigError("model.gguf", f"{self.source.name}: {what}", allowed)
 
+    def architecture(self) -> tuple[str, GGUFArchitecture]:
+        """general.architecture and how it converts; refused unless in GGUF_ARCHITECTURES."""
+        name = self.get("general.architecture")
+        if name not in GGUF_ARCHITECTURES:
+            raise self.refuse(name, f"a GGUF of architecture {' or '.join(GGUF_ARCHITECTURES)}")
+        return name, GGUF_ARCHITECTURES[name]
+
 
 def _shortest_float32(value: float) -> float:
     """The shortest decimal of a float32 (GGUF stores 1e-05 as 9.999999747378752e-06)."""
@@ -105,8 +166,9 @@ def _shortest_float32(value: float) -> float:
 
 
 def _hf_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
-    """config.json of the decoder the GGUF describes (transformers' LlamaConfig fields)."""
-    prefix = ARCHITECTURE + "."
+    """config.json of the decoder the GGUF describes (transformers' config fields)."""
+    name, architecture = meta.architecture()
+    prefix = name + "."
     hidden = meta.require(prefix + "embedding_length")
     heads = meta.require(prefix + "attention.head_count")
     head_dim = meta.get(prefix + "attention.key_length", hidden // heads)
@@ -117,8 +179,8 @@ def _hf_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
     tokens = meta.require("tokenizer.ggml.tokens")
     eps = meta.require(prefix + "attention.layer_norm_rms_epsilon")
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [ARCHITECTURES[architecture.model_type]],
+        "model_type": architecture.model_type,
         "vocab_size": meta.get(prefix + "vocab_size", len(tokens)),
         "hidden_size": hidden,
         "intermediate_size": meta.require(prefix + "feed_forward_length"),
@@ -130,8 +192,7 @@ def _hf_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
         "max_position_embeddings": meta.require(prefix + "context_length"),
         "rms_norm_eps": _shortest_float32(eps),
         "rope_theta": _shortest_float32(meta.get(prefix + "rope.freq_base", 10000.0)),
-        "attention_bias": False,
-        "mlp_bias": False,
+        **architecture.config,
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
@@ -140,17 +201,22 @@ def _hf_config(meta: _Metadata, tensor_names: set[str]) -> dict[str, Any]:
     }
 
 
-def _hf_tensor_name(meta: _Metadata, name: str) -> str:
+def _hf_tensor_name(meta: _Metadata, name: str) -> tuple[str, str | None]:
+    """(Hugging Face name, LAYER_TENSORS key or None) of a GGUF tensor; refuses any tensor the
+    file's architecture does not have."""
     if name in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[name]
+        return GLOBAL_TENSORS[name], None
+    architecture_name, architecture = meta.architecture()
     block, _, rest = name.partition(".")[2].partition(".")
-    if name.startswith("blk.") and block.isdigit() and rest in LAYER_TENSORS:
-        return f"model.layers.{block}.{LAYER_TENSORS[rest]}"
-    raise meta.refuse(f"tensor {name}", "the tensors of a plain Llama decoder")
+    stem, _, kind = rest.rpartition(".")
+    known = kind == "weight" or (kind == "bias" and stem in architecture.biased)
+    if name.startswith("blk.") and block.isdigit() and stem in LAYER_TENSORS and known:
+        return f"model.layers.{block}.{LAYER_TENSORS[stem]}.{kind}", stem
+    raise meta.refuse(f"tensor {name}", f"the tensors of a {architecture_name} decoder")
 
 
 def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's q/k row order for RoPE.
+    """Undo llama.cpp's q/k row order for RoPE (weights and biases alike: rows come first).
 
     Within each head llama.cpp interleaves the two rotated halves (rows 0, D/2, 1, D/2 + 1, ...);
     transformers keeps the first half, then the second.
@@ -161,19 +227,15 @@ def unpermute_rope_rows(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _hf_tensors(meta: _Metadata, config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """Every tensor dequantized to float32, renamed and laid out as transformers' Llama."""
-    rope_heads = {
-        "self_attn.q_proj.weight": config["num_attention_heads"],
-        "self_attn.k_proj.weight": config["num_key_value_heads"],
-    }
+    """Every tensor dequantized to float32, renamed and laid out as transformers' decoder."""
+    _, architecture = meta.architecture()
     tensors = {}
     for tensor in meta.reader.tensors:
-        name = _hf_tensor_name(meta, tensor.name)
+        name, stem = _hf_tensor_name(meta, tensor.name)
         shape = tuple(reversed(tensor.shape.tolist()))  # GGUF lists the fastest dimension first
         weight = dequantize(tensor.data, tensor.tensor_type).astype(np.float32).reshape(shape)
-        heads = rope_heads.get(name.split(".", 3)[-1])  # the name after "model.layers.N."
-        if heads is not None:
-            weight = unpermute_rope_rows(weight, heads)
+        if architecture.permuted_rope_rows and stem in ROPE_ROWS:
+            weight = unpermute_rope_rows(weight, config[ROPE_ROWS[stem]])
         tensors[name] = np.ascontiguousarray(weight)
     return tensors
 
@@ -228,8 +290,7 @@ def _hf_tokenizer_config(meta: _Metadata, context_length: int) -> dict[str, Any]
 
 def _write_folder(gguf_file: Path, folder: Path) -> None:
     meta = _Metadata(GGUFReader(gguf_file), gguf_file)
-    if meta.get("general.architecture") != ARCHITECTURE:
-        raise meta.refuse(meta.get("general.architecture"), f"a {ARCHITECTURE} GGUF")
+    meta.architecture()  # an unknown architecture is refused before anything is read
     config = _hf_config(meta, {tensor.name for tensor in meta.reader.tensors})
     tokenizer = _hf_tokenizer(meta)
     tokenizer_config = _hf_tokenizer_config(meta, config["max_position_embeddings"])

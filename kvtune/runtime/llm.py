@@ -50,7 +50,8 @@ def as_policy(policy: KVPolicy | Mapping[str, Any] | None) -> KVPolicy:
 class LLM:
     """A model served by the kvtune runtime under one KV policy.
 
-    model: "smollm2-135m" (embedded) or a local Hugging Face folder (Llama, Mistral, Qwen2).
+    model: an embedded model ("smollm2-135m", "qwen2.5-coder-0.5b") or a local Hugging Face
+        folder (Llama, Mistral, Qwen2).
     backend: "torch" (reference ops, the CPU default) or "triton" (the kernels).
     kv_budget_bytes: bytes for all KV pools; None sizes them for max_num_seqs sequences of
         max_model_len tokens, or, with gpu_memory_utilization on CUDA, from the device:
@@ -85,6 +86,7 @@ class LLM:
         self.arch = dataclasses.replace(checkpoint, dtype=DTYPE_NAMES[torch_dtype])
         self.policy.check_model(self.arch)
         length = max_model_len or self.arch.max_position_embeddings
+        self.arch.check_context(length, "max_model_len")
         config = EngineConfig(
             max_model_len=length,
             max_num_seqs=max_num_seqs,

@@ -8,9 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
+from kvtune.runtime import LLM
 from kvtune.runtime.checkpoint import RopeScaling, open_checkpoint, parse_config
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.model_source import resolve_model
+from tests.runtime.conftest import save_word_tokenizer
 
 SMALL = dict(
     hidden_size=32,
@@ -147,3 +149,16 @@ def test_resolve_model_accepts_a_complete_folder_and_names_model_otherwise(tmp_p
         resolve_model("llama-9000")
     assert error.value.field == "model"
     assert "smollm2-135m" in error.value.allowed
+
+
+def test_a_context_beyond_the_models_positions_is_refused_before_weights_are_read(tmp_path):
+    config = LlamaConfig(**SMALL, head_dim=32, max_position_embeddings=128)  # group_size 32
+    folder = save_model(tmp_path / "tiny", config)
+    save_word_tokenizer(folder, SMALL["vocab_size"])
+    (folder / "model.safetensors").write_bytes(b"unreadable: reading the weights fails")
+    with pytest.raises(ConfigError) as error:
+        LLM(str(folder), max_model_len=129)
+    assert error.value.field == "max_model_len" and "(128 tokens)" in error.value.allowed
+    with pytest.raises(Exception) as loading:  # within the limit, the weights are read
+        LLM(str(folder), max_model_len=128)
+    assert not isinstance(loading.value, ConfigError)

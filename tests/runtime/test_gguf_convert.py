@@ -11,6 +11,7 @@ The slow tests load the GGUF through transformers as the reference (about 30 s).
 import hashlib
 import importlib.metadata
 import json
+import string
 from pathlib import Path
 
 import gguf
@@ -24,9 +25,12 @@ from kvtune.runtime import gguf_convert, model_source
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.fingerprint import source_fingerprint
 from kvtune.runtime.gguf_convert import convert_gguf, unpermute_rope_rows
+from kvtune.runtime.model import DecoderModel, DenseCausalAttention
 from kvtune.runtime.model_source import embedded_gguf, resolve_model
 from kvtune.runtime.tokenizer import Tokenizer
+from tests.runtime.test_model import TOLERANCE, relative_error
 
+CONTROL = 3  # llama.cpp's token type of a control token
 # Text where llama.cpp's "smollm" pre-tokenizer and transformers' GGUF converter agree.
 TEXTS = [
     "Hello world",
@@ -154,9 +158,124 @@ def write_gguf(path: Path, architecture: str) -> Path:
 
 def test_other_architectures_are_refused_and_leave_nothing(tmp_path):
     source = write_gguf(tmp_path / "gpt2.gguf", "gpt2")
-    with pytest.raises(ConfigError, match="a llama GGUF"):
+    with pytest.raises(ConfigError, match="a GGUF of architecture llama or qwen2"):
         convert_gguf(source, tmp_path / "cache" / "gpt2")
     assert list((tmp_path / "cache").iterdir()) == []
+
+
+TINY = dict(hidden=32, heads=4, kv_heads=2, head_dim=8, inner=48, layers=2)
+TINY_TOKENS = [*string.ascii_letters, "ab", "<|endoftext|>"]
+# Per architecture: the tensors llama.cpp writes with a bias, whether it stores the output
+# projection (untied), and whether its converter interleaves q/k rows for RoPE.
+TINY_ARCHITECTURES = {
+    "llama": dict(biased=(), untied=False, interleaved=True, pre="smollm"),
+    "qwen2": dict(
+        biased=("attn_q", "attn_k", "attn_v"), untied=True, interleaved=False, pre="qwen2"
+    ),
+}
+
+
+def llama_cpp_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf LlamaModel.permute: each head's two RoPE halves
+    interleaved."""
+    return (
+        rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(rows.shape)
+    )
+
+
+def write_tiny_gguf(path: Path, architecture: str) -> dict[str, np.ndarray]:
+    """A two-layer decoder as llama.cpp writes it (F32 tensors, byte-level BPE vocabulary);
+    returns its weights in Hugging Face names and layout."""
+    spec = TINY_ARCHITECTURES[architecture]
+    rng = np.random.default_rng(0)
+    hidden, q_rows = TINY["hidden"], TINY["heads"] * TINY["head_dim"]
+    kv_rows, vocab = TINY["kv_heads"] * TINY["head_dim"], len(TINY_TOKENS)
+    layer_shapes = {
+        "attn_norm": ("input_layernorm", (hidden,)),
+        "attn_q": ("self_attn.q_proj", (q_rows, hidden)),
+        "attn_k": ("self_attn.k_proj", (kv_rows, hidden)),
+        "attn_v": ("self_attn.v_proj", (kv_rows, hidden)),
+        "attn_output": ("self_attn.o_proj", (hidden, q_rows)),
+        "ffn_norm": ("post_attention_layernorm", (hidden,)),
+        "ffn_gate": ("mlp.gate_proj", (TINY["inner"], hidden)),
+        "ffn_up": ("mlp.up_proj", (TINY["inner"], hidden)),
+        "ffn_down": ("mlp.down_proj", (hidden, TINY["inner"])),
+    }
+    tensors = {  # GGUF name -> (Hugging Face name, weights in Hugging Face layout)
+        "token_embd.weight": ("model.embed_tokens.weight", (vocab, hidden)),
+        "output_norm.weight": ("model.norm.weight", (hidden,)),
+    }
+    if spec["untied"]:
+        tensors["output.weight"] = ("lm_head.weight", (vocab, hidden))
+    for layer in range(TINY["layers"]):
+        for stem, (hf_name, shape) in layer_shapes.items():
+            hf = f"model.layers.{layer}.{hf_name}"
+            tensors[f"blk.{layer}.{stem}.weight"] = (f"{hf}.weight", shape)
+            if stem in spec["biased"]:
+                tensors[f"blk.{layer}.{stem}.bias"] = (f"{hf}.bias", shape[:1])
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_name("tiny")
+    writer.add_block_count(TINY["layers"])
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(TINY["inner"])
+    writer.add_head_count(TINY["heads"])
+    writer.add_head_count_kv(TINY["kv_heads"])
+    writer.add_rope_dimension_count(TINY["head_dim"])
+    writer.add_rope_freq_base(1e6)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(spec["pre"])
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_types([1] * (vocab - 1) + [CONTROL])
+    writer.add_token_merges(["a b"])
+    writer.add_bos_token_id(vocab - 1)
+    writer.add_eos_token_id(vocab - 1)
+    hf_weights = {}
+    for gguf_name, (hf_name, shape) in tensors.items():
+        weight = rng.normal(0.0, 0.3, shape).astype(np.float32)
+        hf_weights[hf_name] = weight
+        stem = gguf_name.split(".")[-2]
+        if spec["interleaved"] and stem in ("attn_q", "attn_k"):
+            heads = TINY["heads"] if stem == "attn_q" else TINY["kv_heads"]
+            weight = llama_cpp_rope_rows(weight, heads)
+        writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf_weights
+
+
+@pytest.mark.parametrize("architecture", sorted(TINY_ARCHITECTURES))
+def test_tiny_gguf_converts_as_written_and_as_transformers_loads_it(tmp_path, architecture):
+    """Weights equal what the file was written from (llama: the q/k rows interleaved by
+    llama.cpp's converter, undone; qwen2: never interleaved, with q/k/v biases) and what
+    transformers' own GGUF loader reads; config and logits agree with transformers'."""
+    written = write_tiny_gguf(tmp_path / "tiny.gguf", architecture)
+    folder = convert_gguf(tmp_path / "tiny.gguf", tmp_path / "converted")
+    reference = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file="tiny.gguf", dtype=torch.float32
+    ).eval()
+    ours = load_file(folder / "model.safetensors")
+    assert set(ours) == set(written)
+    expected = reference.state_dict()
+    for name, weight in written.items():
+        assert torch.equal(ours[name], torch.from_numpy(weight)), name
+        assert torch.equal(ours[name], expected[name]), name
+    config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == reference.config.model_type == architecture
+    assert config["tie_word_embeddings"] == reference.config.tie_word_embeddings
+    assert config["rope_theta"] == reference.config.rope_parameters["rope_theta"] == 1e6
+    assert config["rms_norm_eps"] == 1e-6  # the shortest decimal of the stored float32
+    assert np.float32(config["rms_norm_eps"]) == np.float32(reference.config.rms_norm_eps)
+    model = DecoderModel.from_checkpoint(folder, dtype="fp32")
+    ids = torch.randint(len(TINY_TOKENS), (21,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model.logits(model(ids, torch.arange(21), DenseCausalAttention([21])))
+        assert relative_error(logits, reference(ids[None]).logits[0]) < TOLERANCE
 
 
 def test_interrupted_conversion_leaves_no_folder(tmp_path, monkeypatch):

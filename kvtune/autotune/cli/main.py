@@ -19,6 +19,7 @@ from rich.console import Console
 from kvtune.autotune.cli.dashboard import dashboard_task
 from kvtune.autotune.cli.evaluate import evaluate_task
 from kvtune.autotune.cli.export import export_task, quote_pick
+from kvtune.autotune.cli.presets import check_presets
 from kvtune.autotune.cli.tune import tune_task
 from kvtune.autotune.cli.worker import worker_task
 from kvtune.autotune.config.settings import (
@@ -100,6 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             f"kvtune: error: unknown command {command!r}; known: {', '.join(COMMANDS)}",
             file=sys.stderr,
         )
+        return 2
+    try:
+        check_presets(CONF_DIR, overrides)
+    except ConfigError as error:
+        print(f"kvtune {command}: error: {error}", file=sys.stderr)
         return 2
     if command == "export":
         overrides = quote_pick(overrides)

@@ -155,9 +155,10 @@ def _suite(eval_cfg: Mapping[str, Any], model: str, runtime: RuntimeSettings) ->
 def build_setup(recipe: Mapping[str, Any]) -> TuneSetup:
     """Validate a recipe into a TuneSetup (cheap; the embedded model converts on first use)."""
     arch = ModelArch(**recipe["arch"])
+    workload = Workload.from_dict(recipe["workload"])
+    arch.check_context(workload.max_model_len, "workload.max_model_len")
     model = str(recipe["model"].get("path") or recipe["model"]["name"])
     folder = resolve_model(model)
-    workload = Workload.from_dict(recipe["workload"])
     serve_cfg = {
         **recipe["serve"],
         "max_model_len": workload.max_model_len,
