@@ -55,14 +55,17 @@ Q8_0_LEVELS = 127
 GROUP_MAX_EPS = torch.tensor(1e-15, dtype=torch.float32).item()
 INT8_MIN, INT8_MAX = -128, 127
 
+# The same numbers as Triton constexprs (a kernel may read no other globals).
 _GROUP_MAX_EPS = tl.constexpr(GROUP_MAX_EPS)
-_IQ4_NL = tl.constexpr(IQ4_NL_LEVELS)
+_Q8_0_LEVELS = tl.constexpr(Q8_0_LEVELS)
+_INT8_MIN = tl.constexpr(INT8_MIN)
+_INT8_MAX = tl.constexpr(INT8_MAX)
 
 
 @triton.constexpr_function
 def iq4_nl_level(index):
     """Level `index` of IQ4_NL_LEVELS as a Triton constexpr float."""
-    return float(_IQ4_NL[index])
+    return float(IQ4_NL_LEVELS[index])
 
 
 @triton.jit
@@ -114,7 +117,7 @@ def ggml_min_parameters(grouped, BITS: tl.constexpr):
 def q8_0_parameters(grouped):
     """q8_0 parameters (x86) of groups [R, G, n]: (fp16 d, id = 127 / amax, fp16 0, 0)."""
     amax = tl.max(tl.abs(grouped), axis=2)
-    levels = tl.full(amax.shape, Q8_0_LEVELS, tl.float32)
+    levels = tl.full(amax.shape, _Q8_0_LEVELS, tl.float32)
     d = tl.math.div_rn(amax, levels)
     safe = tl.where(amax == 0.0, 1.0, amax)
     multiplier = tl.where(amax == 0.0, 0.0, tl.math.div_rn(levels, safe))
@@ -167,12 +170,12 @@ def encode_ggml_min(units, BITS: tl.constexpr):
 @triton.jit
 def encode_q8_0(units):
     """fp32 units x * id -> int32 code bytes (two's complement) of round_half_even(units)."""
-    clamped = tl.minimum(tl.maximum(units, INT8_MIN - 1.0), INT8_MAX + 1.0)
+    clamped = tl.minimum(tl.maximum(units, _INT8_MIN - 1.0), _INT8_MAX + 1.0)
     whole = tl.floor(clamped)
     fraction = clamped - whole  # exact below 2^23
     odd = (whole.to(tl.int32) & 1) == 1
     rounded = whole.to(tl.int32) + ((fraction > 0.5) | ((fraction == 0.5) & odd)).to(tl.int32)
-    return tl.minimum(tl.maximum(rounded, INT8_MIN), INT8_MAX) & 0xFF
+    return tl.minimum(tl.maximum(rounded, _INT8_MIN), _INT8_MAX) & 0xFF
 
 
 @triton.jit
