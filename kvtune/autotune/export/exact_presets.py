@@ -95,7 +95,7 @@ def exact_llamacpp_types(policy: KVPolicy, arch: ModelArch) -> LlamaCppTypes | N
     }
     types, presets = [], []
     for dtype, fields in zip(pair, STREAM_FIELDS, strict=True):
-        stored = arch.dtype if dtype == AUTO else dtype  # auto: the model's dtype
+        stored = stored_format(dtype, arch)
         element = ELEMENT_FORMATS[stored]
         name, preset = by_dtype.get(stored, (None, None))
         if element.ggml_type is None or (
@@ -106,3 +106,8 @@ def exact_llamacpp_types(policy: KVPolicy, arch: ModelArch) -> LlamaCppTypes | N
         types.append(element.ggml_type)
         presets.append(name)
     return LlamaCppTypes(types[0], types[1], (presets[0], presets[1]))
+
+
+def stored_format(dtype: str, arch: ModelArch) -> str:
+    """The registered format a stream of `dtype` stores (auto: the model's dtype)."""
+    return arch.dtype if dtype == AUTO else dtype

@@ -21,7 +21,12 @@ from __future__ import annotations
 import math
 
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
-from kvtune.autotune.export.exact_presets import LLAMACPP, LlamaCppTypes, exact_llamacpp_types
+from kvtune.autotune.export.exact_presets import (
+    LLAMACPP,
+    LlamaCppTypes,
+    exact_llamacpp_types,
+    stored_format,
+)
 from kvtune.autotune.planning.capacity import capacity_row, kv_budget_bytes
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.kernels.formats.ggml_codes import GGML_BLOCK
@@ -35,11 +40,6 @@ CONTEXT_PAD = 256
 MAX_SLOTS = 256
 # The formats llama.cpp stores, by the registry's ggml types.
 LLAMACPP_FORMATS = tuple(name for name, e in ELEMENT_FORMATS.items() if e.ggml_block)
-
-
-def stored_format(dtype: str, arch: ModelArch) -> str:
-    """The registered format a stream of `dtype` stores (auto: the model's dtype)."""
-    return arch.dtype if dtype == AUTO else dtype
 
 
 def cache_type(dtype: str, arch: ModelArch) -> str:
