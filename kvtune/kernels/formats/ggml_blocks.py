@@ -26,7 +26,7 @@ def _element(dtype: str) -> ElementFormat:
     element = ELEMENT_FORMATS[dtype]
     if not element.ggml_block:
         ggml = [name for name, e in ELEMENT_FORMATS.items() if e.ggml_block]
-        raise ValueError(f"dtype={dtype!r}: a llama.cpp quantized type; allowed {ggml}")
+        raise ValueError(f"dtype={dtype!r}: allowed {ggml} (llama.cpp's quantized types)")
     return element
 
 
