@@ -59,8 +59,8 @@ def run_copies(
     rotation: Rotation | None,
     alignment: torch.Tensor | None,
 ) -> None:
-    """Run the copies on one layer's pools. rotation: the layer's (a separate index keeps its
-    bounds or means in the model's basis); alignment: its pre-RoPE pooling turns (None: keys
+    """Run the copies on one layer's pools. rotation: the layer's keys' (a separate index keeps
+    its bounds or means in the model's basis); alignment: its pre-RoPE pooling turns (None: keys
     pooled as cached)."""
     bs = policy.block_size
     for group in groups:

@@ -18,7 +18,7 @@ import torch
 
 from kvtune.kernels.cache.pool import KVPool
 from kvtune.kernels.formats.kv_format import KVFormat
-from kvtune.kernels.formats.rotation import Rotation, rotation_matrix
+from kvtune.kernels.formats.rotation import KVRotation, kv_rotation
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.kv_bytes import layer_formats
 from kvtune.runtime.policy import KVPolicy
@@ -36,13 +36,17 @@ class LayerPools:
 
 def layer_rotations(
     arch: ModelArch, policy: KVPolicy, device: torch.device | str
-) -> list[Rotation | None]:
-    """Per layer, the rotation its K and V are cached in (policy.rotation), or None:
-    layers with a quantized stream are rotated, all their pools alike."""
+) -> list[KVRotation]:
+    """Per layer, the rotations its K and V are cached in (policy.rotation), all their pools
+    alike: none in a layer that quantizes neither stream (`kv_rotation`)."""
     return [
-        rotation_matrix(policy.rotation, arch.cached_vector_size, layer, device)
-        if formats.k.quantized or formats.v.quantized
-        else None
+        kv_rotation(
+            policy.rotation,
+            arch.cached_vector_size,
+            layer,
+            (formats.k.quantized, formats.v.quantized),
+            device,
+        )
         for layer, formats in enumerate(layer_formats(arch, policy))
     ]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from kvtune.kernels.formats.kv_format import KVFormat
-from kvtune.kernels.formats.rotation import Rotation, rotate
+from kvtune.kernels.formats.rotation import KVRotation, rotate
 from kvtune.runtime.kv_bytes import LayerFormats
 from kvtune.runtime.model import DecoderModel, DenseCausalAttention
 from kvtune.runtime.tokenizer import Tokenizer
@@ -83,7 +83,7 @@ class _AmaxRecorder:
     """Dense attention that also records each layer's largest |K| and |V| as cached: rotated
     first in the layers the cache rotates."""
 
-    def __init__(self, num_tokens: int, rotations: list[Rotation | None]) -> None:
+    def __init__(self, num_tokens: int, rotations: list[KVRotation]) -> None:
         self.attention = DenseCausalAttention([num_tokens])
         self.rotations = rotations
         self.k_amax = [0.0] * len(rotations)
@@ -94,9 +94,10 @@ class _AmaxRecorder:
     ) -> torch.Tensor:
         out = self.attention(layer_index, q, k, v)
         rotation = self.rotations[layer_index]
-        if rotation is not None:
-            k = rotate(k, rotation)
-            v = rotate(v, rotation) if rotation.rotates_values else v
+        if rotation.keys is not None:
+            k = rotate(k, rotation.keys)
+        if rotation.values is not None:
+            v = rotate(v, rotation.values)
         self.k_amax[layer_index] = max(self.k_amax[layer_index], float(k.abs().max()))
         self.v_amax[layer_index] = max(self.v_amax[layer_index], float(v.abs().max()))
         return out
@@ -107,14 +108,14 @@ def calibrate_tensor_scales(
     model: DecoderModel,
     token_ids: list[int],
     formats: list[LayerFormats],
-    rotations: list[Rotation | None] | None = None,
+    rotations: list[KVRotation] | None = None,
 ) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
     """(K scale, V scale) per layer; skips the forward pass when no format needs one.
-    rotations: per layer, the rotation the cache stores K and V in (None: none anywhere)."""
+    rotations: per layer, the rotations the cache stores K and V in (None: none anywhere)."""
     if not any(needs_tensor_scale(f.k) or needs_tensor_scale(f.v) for f in formats):
         return [(None, None)] * len(formats)
     device = model.embed_tokens.weight.device
-    recorder = _AmaxRecorder(len(token_ids), rotations or [None] * len(formats))
+    recorder = _AmaxRecorder(len(token_ids), rotations or [KVRotation()] * len(formats))
     ids = torch.tensor(token_ids, dtype=torch.long, device=device)
     model.forward(ids, torch.arange(len(token_ids), device=device), recorder)
     return [

@@ -88,7 +88,7 @@ class KVCache:
         if inv_freq is None:
             raise ValueError("rope_inv_freq: needed for csa_summary=pre_rope")
         inv_freq = inv_freq.to(self.device)
-        return [summary_alignment(inv_freq, policy.csa_ratio, r) for r in self.rotations]
+        return [summary_alignment(inv_freq, policy.csa_ratio, r.keys) for r in self.rotations]
 
     @property
     def allocated_bytes(self) -> int:
@@ -121,7 +121,7 @@ class KVCache:
             groups,
             self.policy,
             self.ops,
-            self.rotations[layer],
+            self.rotations[layer].keys,
             self.alignments[layer],
         )
 
@@ -137,9 +137,10 @@ class KVCache:
         """Write this step's K/V of one layer, then attend its queries over the cache."""
         dtype, rotation = q.dtype, self.rotations[layer]
         q_model = q  # a separate key-bounds index is scored in the model's basis
-        if rotation is not None:  # q.k is unchanged; the output is rotated back below
-            q, k = rotate_queries(q, rotation), rotate(k, rotation)
-            v = rotate(v, rotation) if rotation.rotates_values else v
+        if rotation.keys is not None:  # q.k is unchanged
+            q, k = rotate_queries(q, rotation.keys), rotate(k, rotation.keys)
+        if rotation.values is not None:  # the output is rotated back below
+            v = rotate(v, rotation.values)
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.clips.count(layer, k, v)
@@ -178,8 +179,8 @@ class KVCache:
         out = self.ops.attention(
             q, positions, layout.q_seq_starts, list(streams.values()), scale, layout.max_q_len
         )
-        if rotation is not None and rotation.rotates_values:
-            out = unrotate(out, rotation)
+        if rotation.values is not None:
+            out = unrotate(out, rotation.values)
         return out.to(dtype)
 
     def _keep(

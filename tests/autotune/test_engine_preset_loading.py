@@ -8,6 +8,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from kvtune.autotune.config.engine_presets import POLICY_DIR, engine_presets
+from kvtune.autotune.study.optuna_study import StudySettings
+from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.policy import KVPolicy
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
@@ -23,3 +25,13 @@ def test_every_preset_loads_as_hydra_composes_it(head_dim):
             cfg = compose("plan", overrides=[f"policy={name}", f"model.head_dim={head_dim}"])
             assert loaded[name] == KVPolicy.from_dict(dict(cfg.policy)), name
     assert loaded["vllm/int8_per_token_head"].group_size == head_dim
+
+
+def test_a_study_measures_llamacpps_presets_by_name():
+    """study.engine_presets takes llamacpp/<type> for every preset file; f32 has none."""
+    names = [f"llamacpp/{path.stem}" for path in sorted((POLICY_DIR / "llamacpp").glob("*.yaml"))]
+    assert len(names) == 8
+    assert StudySettings(name="s", engine_presets=names).engine_presets == tuple(names)
+    with pytest.raises(ConfigError) as error:
+        StudySettings(name="s", engine_presets=["llamacpp/f32"])
+    assert error.value.field == "study.engine_presets"

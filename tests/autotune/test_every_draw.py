@@ -6,8 +6,9 @@ format on K and on V. Each goes, as a test of its own per stage so that a failur
 policy and the stage, through: validation on SmolLM2-135M (30 layers, 3 KV heads, head_dim 64),
 the planner's bytes and capacity plan, a trial record in an Optuna study on SQLite, an MLflow
 trial run, a trials.csv row, the front table's label, and the export (kvtune.yaml, vllm.yaml,
-sglang.args, NOTES.md), whose kvtune.yaml reloads equal to the policy. Whole-study stages (the
-CSV of all trials, the plots, the front table, MLflow's closing artifacts) run once a study.
+sglang.args, llama-server.args, NOTES.md), whose kvtune.yaml reloads equal to the policy.
+Whole-study stages (the CSV of all trials, the plots, the front table, MLflow's closing
+artifacts) run once a study.
 
 Nothing is measured: a trial stores made-up metrics (`fake_metrics`) the way a measured trial
 stores them, and the recipe is the one `kvtune tune search=<space>` composes with Hydra. Each
@@ -97,7 +98,9 @@ LAYERS = ARCH.num_layers
 MIB = 1 << 20
 TRIAL_SECONDS = 1.5
 FRONT_SIZE = 4
-EXPORT_FILES = ["kvtune.yaml", "vllm.yaml", "sglang.args", "NOTES.md"]
+EXPORT_FILES = ["kvtune.yaml", "vllm.yaml", "sglang.args", "llama-server.args", "NOTES.md"]
+# llama.cpp pads a slot's context to a multiple of this (src/llama-context.cpp).
+LLAMACPP_CONTEXT_PAD = 256
 # DESIGN.md section 1: bytes an element of an unquantized dtype takes (auto: the model's dtype).
 ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 
@@ -167,6 +170,19 @@ def engine_dtypes(engine: str) -> set[str]:
         assert match, f"{path} names no --kv-cache-dtype on its first line"
         names |= {path.stem, *(value for value in match.groups() if value)}
     return names
+
+
+def llamacpp_types() -> dict[str, bool]:
+    """The cache types conf/policy/llamacpp/*.yaml name on their first line ("--cache-type-k
+    q4_0 --cache-type-v q4_0"), each with whether it is quantized (a q or iq type, DESIGN.md
+    section 8's list)."""
+    pattern = re.compile(r"--cache-type-k (\w+) --cache-type-v (\w+)")
+    names = set()
+    for path in (CONF / "policy" / "llamacpp").glob("*.yaml"):
+        match = pattern.search(path.read_text().splitlines()[0])
+        assert match, f"{path} names no --cache-type-k on its first line"
+        names |= {path.stem, *match.groups()}
+    return {name: name.startswith(("q", "iq")) for name in names}
 
 
 def fake_metrics(index: int, count: int) -> dict[str, float]:
@@ -546,6 +562,15 @@ def test_export_writes_engine_configs_and_reloads(source, studies, tmp_path):
     assert options["--kv-cache-dtype"] in engine_dtypes("sglang")
     assert options["--page-size"] == str(policy.block_size)
     assert options["--chunked-prefill-size"] == str(policy.chunk_size)
+    lines = (tmp_path / "llama-server.args").read_text().splitlines()
+    options = dict(line.split(" ", 1) for line in lines)
+    types = llamacpp_types()
+    quantized_v = types[options["--cache-type-v"]]
+    assert options["--cache-type-k"] in types
+    assert options.get("--flash-attn") == ("on" if quantized_v else None)
+    context = setup.serve.expected_context_len or setup.serve.max_model_len
+    slot = -(-context // LLAMACPP_CONTEXT_PAD) * LLAMACPP_CONTEXT_PAD
+    assert int(options["--ctx-size"]) == int(options["--parallel"]) * slot
     notes = (tmp_path / "NOTES.md").read_text()
     assert f"(trial {record.number})" in notes.splitlines()[0]
 

@@ -1,4 +1,4 @@
-"""Picking a trial and mapping its policy onto vLLM and SGLang options."""
+"""Picking a trial and mapping its policy onto vLLM, SGLang and llama-server options."""
 
 from pathlib import Path
 
@@ -19,12 +19,14 @@ from kvtune.autotune.export.engines import (
     index_ranges,
     layer_levels,
     layer_ranges,
+    llamacpp_mapping,
     sglang_args,
     sglang_mapping,
     vllm_config,
     vllm_mapping,
     write_export,
 )
+from kvtune.autotune.export.llamacpp import llama_server_args, llamacpp_gaps, stream_types
 from kvtune.autotune.search.sensitivity import RuntimeSettings
 from kvtune.autotune.search.space import SearchConfig
 from kvtune.autotune.study.objectives import Constraints
@@ -449,3 +451,147 @@ def test_export_serves_the_cheapest_engine_preset_measured_at_least_as_accurate(
     ) in notes
     assert "| `sglang/nvfp4` | 9 | 0.900 | 1.000 |" in notes
     assert "| this policy | 4 | 0.950 | - |" in notes
+
+
+# llama-server's options an export may write, and the cache types it accepts (llama.cpp
+# 0c1e570, common/arg.cpp: kv_cache_types, --flash-attn [on|off|auto]; docs/engine_formats.md).
+LLAMACPP_OPTIONS = {"--cache-type-k", "--cache-type-v", "--flash-attn", "--ctx-size", "--parallel"}
+LLAMACPP_TYPES = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"}
+LLAMACPP_QUANTIZED = LLAMACPP_TYPES - {"f32", "f16", "bf16"}
+FP32_ARCH = ModelArch("fp32", 4, 4, 2, 64, 1 << 30, 8192, dtype="fp32")
+
+
+def llamacpp(dtypes: str, **fields) -> KVPolicy:
+    k, v = dtypes.split("/")
+    return KVPolicy(k, v, **{"group_size": 32, "rotation": "llamacpp", **fields})
+
+
+@pytest.mark.parametrize(
+    ("policy", "arch", "types", "exact"),
+    [
+        (llamacpp("q4_0/q4_0"), ARCH, ("q4_0", "q4_0"), True),
+        (llamacpp("q8_0/q4_0"), ARCH, ("q8_0", "q4_0"), True),
+        (llamacpp("fp16/iq4_nl"), ARCH, ("f16", "iq4_nl"), True),
+        (llamacpp("q5_1/bf16", tensor_scale="calibrated"), ARCH, ("q5_1", "bf16"), True),
+        (KVPolicy(), ARCH, ("f16", "f16"), True),  # nothing quantized: nothing rotated
+        (KVPolicy("auto", "auto"), ARCH, ("bf16", "bf16"), True),
+        (KVPolicy("auto", "q4_0", rotation="llamacpp"), FP32_ARCH, ("f32", "q4_0"), True),
+        # Near misses: groups of 16, another or no rotation, an fp16 window, per-layer types,
+        # per-channel keys.
+        (llamacpp("q4_0/q4_0", group_size=16), ARCH, ("q4_0", "q4_0"), False),
+        (llamacpp("q4_0/q4_0", rotation="none"), ARCH, ("q4_0", "q4_0"), False),
+        (llamacpp("q8_0/fp16", rotation="hadamard"), ARCH, ("q8_0", "f16"), False),
+        (llamacpp("q4_0/q4_0", recent_unquantized=64), ARCH, ("q4_0", "q4_0"), False),
+        (llamacpp("q4_0/q4_0", boundary_layers=1), ARCH, ("f16", "f16"), False),
+        (llamacpp("q4_1/q4_1", k_scale_axis="channel"), ARCH, ("q4_1", "q4_1"), False),
+        # Formats llama.cpp lacks: the type of the fewest bits that keeps theirs.
+        (KVPolicy("fp8", "fp4", group_size=16), ARCH, ("q8_0", "q4_0"), False),
+        (KVPolicy("int4", "int3", group_size=16), ARCH, ("q4_1", "q4_1"), False),
+        (KVPolicy("int8", "lloyd4", group_size=64), ARCH, ("q8_0", "q4_0"), False),
+        (KVPolicy(layer_dtypes=("fp8/fp4",) * 3 + ("fp16/int2",)), ARCH, ("f16", "q4_1"), False),
+    ],
+)  # fmt: skip
+def test_llamacpp_exports_the_types_storing_the_policy_or_the_nearest(policy, arch, types, exact):
+    mapping = llamacpp_mapping(policy, arch)
+    assert stream_types(mapping.equivalent, arch) == types
+    assert set(types) <= LLAMACPP_TYPES
+    assert (mapping.preset is not None) == exact
+    assert (llamacpp_gaps(policy, arch) == []) == exact
+    if exact:
+        assert mapping.equivalent == policy
+    else:  # llama.cpp keeps every token in its types: one type a stream, rotated its way
+        equivalent = mapping.equivalent
+        assert not equivalent.compressed and equivalent.recent_unquantized == 0
+        assert (equivalent.group_size, equivalent.rotation) == (32, "llamacpp")
+    args = llama_server_args(mapping.equivalent, arch, 3, SERVE)
+    options = dict(line.split(" ", 1) for line in args)
+    assert set(options) <= LLAMACPP_OPTIONS
+    assert (options["--cache-type-k"], options["--cache-type-v"]) == types
+    assert ("--flash-attn" in options) == (types[1] in LLAMACPP_QUANTIZED)
+    assert options.get("--flash-attn", "on") == "on"
+
+
+def test_llamacpp_gaps_name_what_it_cannot_store():
+    policy = KVPolicy(
+        layer_dtypes=("fp16/fp16", "q4_0/fp4", "q4_0/fp4", "q4_0/fp4"),
+        group_size=16,
+        k_scale_axis="channel",
+        rotation="hadamard",
+        recent_unquantized=32,
+    )
+    gaps = "\n".join(llamacpp_gaps(policy, ARCH))
+    assert "per-layer K dtypes (fp16, q4_0): llama.cpp has one --cache-type-k" in gaps
+    assert "per-layer V dtypes (fp16, fp4)" in gaps
+    assert "fp4 (FP4 E2M1 codes): llama.cpp has no such type (exported as q4_0)" in gaps
+    assert "per-channel key scales" in gaps
+    assert "the hadamard rotation of q4_0" in gaps
+    assert "the 32 most recent tokens kept in fp16" in gaps
+    assert "CSA compression" not in gaps
+    compressed = policy.replace(csa_ratio=4, k_scale_axis="token")
+    assert "CSA compression" in "\n".join(llamacpp_gaps(compressed, ARCH))
+    grouped = llamacpp_gaps(llamacpp("q4_0/q8_0", group_size=64, k_group_size=32), ARCH)
+    assert grouped == ["q8_0 values in groups of 64: llama.cpp's blocks are 32"]
+    unrotated = llamacpp_gaps(llamacpp("q4_0/fp16", rotation="none"), ARCH)
+    assert len(unrotated) == 1 and "LLAMA_ATTN_ROT_DISABLE=1" in unrotated[0]
+
+
+def test_llama_server_is_sized_for_the_target_device(tmp_path):
+    """--parallel: slots of the workload's context rounded up to 256 that the device fits
+    (at most llama.cpp's 256 sequences); --ctx-size: their total."""
+    setup = smollm_chat_setup()
+    policy = llamacpp("q8_0/q4_0")
+    trial = TrialRecord(2, "COMPLETE", policy, {"accuracy_retention": 0.97}, True, None, None)
+    slot = -(-setup.workload.context_len // 256) * 256
+    # SmolLM2: 30 layers x 3 KV heads x 2 blocks of 32 x (q8_0's 34 B + q4_0's 18 B).
+    per_slot = 30 * 3 * 2 * (34 + 18) * slot
+    for device, slots in (
+        (DeviceSpec("cpu", 2, 100), None),
+        (build_device(preset("device", "l4-24gb")), 256),
+    ):
+        name = device.name
+        write_export(tmp_path / name, trial, setup, device, "s", "knee")
+        lines = (tmp_path / name / "llama-server.args").read_text().splitlines()
+        options = dict(line.split(" ", 1) for line in lines)
+        budget = int(device.memory_gib * GIB * 0.9 - setup.arch.weights_bytes - GIB)
+        expected = slots or budget // per_slot
+        assert slots or 1 < expected < 256  # the 2 GiB device fits fewer than llama.cpp takes
+        assert int(options["--parallel"]) == expected
+        assert int(options["--ctx-size"]) == expected * slot
+        assert lines[:3] == ["--cache-type-k q8_0", "--cache-type-v q4_0", "--flash-attn on"]
+    assert budget // per_slot > 256  # the L4 fits more than llama.cpp takes
+    notes = (tmp_path / "cpu" / "NOTES.md").read_text()
+    assert (
+        "- llama.cpp: --cache-type-k q8_0 --cache-type-v q4_0: the same codes as this policy (K "
+        "as preset `llamacpp/q8_0`, V as preset `llamacpp/q4_0`), so the accuracy measured here "
+        "carries over."
+    ) in notes
+    assert "## What llama.cpp cannot express\n\n- nothing: llama.cpp stores this policy" in notes
+    assert "| llama.cpp nearest |" in notes
+
+
+def test_llamacpp_serves_its_cheapest_preset_measured_at_least_as_accurate(tmp_path):
+    setup = smollm_chat_setup()
+    policy = KVPolicy("int4", "int4", group_size=16)
+    picked = TrialRecord(4, "COMPLETE", policy, {"accuracy_retention": 0.95}, True, None, None)
+    records = [
+        picked,
+        preset_trial(6, "llamacpp/q8_0", llamacpp("q8_0/q8_0"), 0.99),
+        preset_trial(7, "llamacpp/q5_1", llamacpp("q5_1/q5_1"), 0.96),
+        preset_trial(8, "llamacpp/q4_0", llamacpp("q4_0/q4_0"), 0.90),
+    ]
+    write_export(tmp_path, picked, setup, build_device(preset("device", "cpu")), "s", "knee")
+    nearest = (tmp_path / "llama-server.args").read_text()
+    assert "--cache-type-k q4_1\n--cache-type-v q4_1\n" in nearest  # int4: a zero point
+    write_export(
+        tmp_path, picked, setup, build_device(preset("device", "cpu")), "s", "knee", records
+    )
+    served = (tmp_path / "llama-server.args").read_text()
+    assert served.startswith("--cache-type-k q5_1\n--cache-type-v q5_1\n--flash-attn on\n")
+    notes = (tmp_path / "NOTES.md").read_text()
+    # q5_1: 24 B a block of 32 against int4 g16's 16 + 2 x 2 fp16 pairs = 24 B: equal bytes.
+    assert (
+        "- llama.cpp: --cache-type-k q5_1 --cache-type-v q5_1: not this policy's cache, but this "
+        "study measured it at least as accurate (trial 7, preset `llamacpp/q5_1`): retention "
+        "0.960 against the policy's 0.950, at 1.00x the policy's bytes (more)."
+    ) in notes
+    assert "| `llamacpp/q4_0` | 8 | 0.900 | 1.000 |" in notes

@@ -130,7 +130,13 @@ def check_consumers(dtype: str, folder: Path) -> None:
     exported = yaml.safe_load((folder / "export" / "vllm.yaml").read_text())
     assert exported["kv-cache-dtype"] == vllm.kv_cache_dtype
     assert KVPolicy.from_yaml((folder / "export" / "kvtune.yaml").read_text()) == policy
-    assert {path.name for path in paths} == {"kvtune.yaml", "vllm.yaml", "sglang.args", "NOTES.md"}
+    assert {path.name for path in paths} == {
+        "kvtune.yaml",
+        "vllm.yaml",
+        "sglang.args",
+        "llama-server.args",
+        "NOTES.md",
+    }
 
     coarse = KVPolicy(dtype, dtype, **storage(dtype, arch.head_dim, group=64))
     plan = build_plan(arch, coarse, DEVICE, setup.serve)

@@ -1,9 +1,9 @@
 """The engine presets as a user selects them: `policy=<engine>/<kv-cache-dtype>` on the real CLI.
 
-Every file conf/policy/<engine>/<dtype>.yaml is named after the engine's --kv-cache-dtype, so
-its bytes per token are checked against the byte formula of
-tests/kernels/formats/engine_formats_ref.py (written from the engines' sources) for that engine and
-dtype."""
+Every file conf/policy/<engine>/<dtype>.yaml is named after the engine's --kv-cache-dtype
+(llama.cpp's --cache-type-k / -v), so its bytes per token are checked against the byte formula
+of tests/kernels/formats/engine_formats_ref.py (written from the engines' sources) for that engine
+and dtype."""
 
 import json
 import subprocess
@@ -25,13 +25,14 @@ KVTUNE = [
 ]
 PRESETS = sorted(
     f"{path.parent.name}/{path.stem}"
-    for engine in ("vllm", "sglang")
+    for engine in ("vllm", "sglang", "llamacpp")
     for path in (CONF / "policy" / engine).glob("*.yaml")
 )
 
 
 def test_every_engine_has_presets():
-    assert {"vllm/fp8", "vllm/nvfp4", "sglang/fp8_e4m3", "sglang/nvfp4"} <= set(PRESETS)
+    expected = {"vllm/fp8", "vllm/nvfp4", "sglang/fp8_e4m3", "sglang/nvfp4", "llamacpp/q4_0"}
+    assert expected <= set(PRESETS)
 
 
 def json_objects(text: str) -> list[dict]:
@@ -87,4 +88,8 @@ def test_presets_compose_for_plan_and_evaluate(config, preset):
     assert policy.tensor_scale == "unit"
     named = yaml.safe_load((CONF / "policy" / f"{preset}.yaml").read_text())
     assert (policy.k_dtype, policy.v_dtype) == (named["k_dtype"], named["v_dtype"])
-    assert policy.k_dtype != build_policy(default.policy).k_dtype
+    default_policy = build_policy(default.policy)
+    if named["k_dtype"] == default_policy.k_dtype:  # llama.cpp's f16: its rotation is the change
+        assert policy.rotation != default_policy.rotation
+    else:
+        assert policy.k_dtype != default_policy.k_dtype

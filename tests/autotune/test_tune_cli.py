@@ -71,6 +71,7 @@ def test_study_tracks_exports_and_resumes(tmp_path, tiny_study_args, kvtune_cach
         "kvtune.yaml",
         "vllm.yaml",
         "sglang.args",
+        "llama-server.args",
         "NOTES.md",
     }
     knee = pick_trial(trial_records(study), OBJECTIVES, "knee")
@@ -188,6 +189,7 @@ def test_bookkeeping_errors_never_stop_a_study_and_it_resumes(
         "kvtune.yaml",
         "vllm.yaml",
         "sglang.args",
+        "llama-server.args",
         "NOTES.md",
     }
 

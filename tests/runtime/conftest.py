@@ -22,7 +22,7 @@ TINY_VOCAB = 96
 INIT_STD = 0.02  # transformers' initializer_range: weights N(0, 0.02^2), biases 0, norms 1
 
 
-def tiny_config(kind: str):
+def tiny_config(kind: str, head_dim: int = 32):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
     common = dict(
@@ -32,7 +32,7 @@ def tiny_config(kind: str):
         num_hidden_layers=2,
         num_attention_heads=6,
         num_key_value_heads=2,
-        head_dim=32,  # kvtune checks group_size (default 32) divides head_dim
+        head_dim=head_dim,  # kvtune checks group_size (default 32) divides head_dim
         max_position_embeddings=512,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
@@ -53,10 +53,10 @@ def save_word_tokenizer(folder: Path, vocab_size: int) -> None:
     tokenizer.save(str(folder / "tokenizer.json"))
 
 
-def build_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
+def build_tiny_model(folder: Path, kind: str, seed: int = 0, head_dim: int = 32) -> Path:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(tiny_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(tiny_config(kind, head_dim), dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # our own draw: transformers' initialisation order changes by release
         for name, param in sorted(model.named_parameters()):
@@ -86,3 +86,10 @@ def tiny_model(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_head_dim_128(tmp_path_factory) -> Path:
+    """A tiny Llama whose heads llama.cpp's rotation reaches (head_dim a multiple of 64; keys in
+    blocks of 128, values in blocks of 64)."""
+    return build_tiny_model(tmp_path_factory.mktemp("llama128"), "llama", head_dim=128)

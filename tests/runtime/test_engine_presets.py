@@ -1,7 +1,8 @@
-"""The engine presets (conf/policy/vllm, conf/policy/sglang) run in the engine: the Triton
-backend agrees with the torch backend, the tensor scale stays 1 (no calibration, as the engines
-without checkpoint scales), held bytes equal the planner's, and the logits stay near the exact
-cache's."""
+"""The engine presets (conf/policy/vllm, conf/policy/sglang, conf/policy/llamacpp) run in the
+engine: the Triton backend agrees with the torch backend, the tensor scale stays 1 (no
+calibration, as the engines without checkpoint scales), held bytes equal the planner's, and the
+logits stay near the exact cache's. llama.cpp's run on a model whose heads its rotation reaches
+(head_dim 128)."""
 
 from __future__ import annotations
 
@@ -19,18 +20,21 @@ from tests.runtime.test_engine import random_tokens, relative_error
 CONF = Path(__file__).resolve().parents[2] / "conf"
 PRESETS = sorted(
     f"{path.parent.name}/{path.stem}"
-    for engine in ("vllm", "sglang")
+    for engine in ("vllm", "sglang", "llamacpp")
     for path in (CONF / "policy" / engine).glob("*.yaml")
 )
 TINY_HEAD_DIM = 32  # tests/runtime/conftest.py
+# The tiny models by head_dim (tests/runtime/conftest.py), and the one each engine's presets run on.
+TINY_MODELS = {32: "tiny_llama", 128: "tiny_llama_head_dim_128"}
+ENGINE_HEAD_DIM = {"llamacpp": 128}
 
 
-def tiny_preset(name: str) -> KVPolicy:
+def tiny_preset(name: str, head_dim: int = TINY_HEAD_DIM) -> KVPolicy:
     """The preset as Hydra composes it for the tiny model's head_dim (a one-group-per-vector
     preset takes group_size = model.head_dim), on small blocks. The two-layer model would keep
     both layers exact under TurboQuant's boundary layers, so they are turned off here to run
     its codes (test_turboquant_boundary_layers_stay_exact covers them)."""
-    overrides = [f"policy={name}", f"model.head_dim={TINY_HEAD_DIM}"]
+    overrides = [f"policy={name}", f"model.head_dim={head_dim}"]
     with initialize_config_dir(str(CONF), version_base=None):
         cfg = compose("plan", overrides=overrides)
     policy = KVPolicy.from_dict(dict(cfg.policy))
@@ -38,8 +42,10 @@ def tiny_preset(name: str) -> KVPolicy:
 
 
 @pytest.mark.parametrize("name", PRESETS)
-def test_preset_runs_alike_on_both_backends_with_unit_tensor_scales(tiny_llama, name):
-    policy = tiny_preset(name)
+def test_preset_runs_alike_on_both_backends_with_unit_tensor_scales(request, name):
+    head_dim = ENGINE_HEAD_DIM.get(name.split("/")[0], TINY_HEAD_DIM)
+    tiny_llama = request.getfixturevalue(TINY_MODELS[head_dim])
+    policy = tiny_preset(name, head_dim)
     tokens = random_tokens(40, seed=3)
     torch_llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
     for layer in torch_llm.engine.cache.layers:

@@ -1,20 +1,23 @@
-"""policy.rotation=hadamard in the engine: the cache holds rotated K and V, and the logits equal
-exact attention over K and V that went through the rotation, the format's round trip and the
-inverse rotation (a dense, cache-free oracle built from the kernels' references)."""
+"""policy.rotation in the engine: the cache holds rotated K and V (llama.cpp's rotation: only the
+quantized streams), and the logits equal exact attention over K and V that went through the
+rotation, the format's round trip and the inverse rotation (a dense, cache-free oracle built
+from the kernels' references)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
-from kvtune.kernels.formats.rotation import rotation_matrix
+from kvtune.kernels.formats.rotation import KVRotation, Rotation, kv_rotation
 from kvtune.runtime import LLM
 from kvtune.runtime.calibration import FREE_HEADROOM, calibration_token_ids
 from kvtune.runtime.kv_bytes import layer_formats
 from kvtune.runtime.model import DenseCausalAttention
 from kvtune.runtime.policy import KVPolicy
 from kvtune.runtime.pool_kinds import MAIN
+from tests.kernels.formats import llamacpp_formats_ref as llamacpp
 from tests.runtime.test_engine import random_tokens, relative_error
 
 ROTATED = KVPolicy("int4", "int2", group_size=16, rotation="hadamard", block_size=8, chunk_size=16)
@@ -24,55 +27,74 @@ def _round_trip(x: torch.Tensor, fmt) -> torch.Tensor:
     return dequantize_ref(*quantize_ref(x, fmt), fmt, None, x.shape[-1])
 
 
+def _through(x: torch.Tensor, rotation: Rotation | None, fmt) -> torch.Tensor:
+    """x R -> quantize-dequantize -> R^T / gain (R: llama.cpp's fp32 transform as its CPU
+    computes it, from the numpy port, where the rotation is llama.cpp's; else in fp64)."""
+    if rotation is None:
+        return _round_trip(x, fmt)
+    matrix = rotation.matrix.double()
+    if rotation.butterflies:
+        rotated = llamacpp.mul_mat_hadamard(x.float().numpy(), rotation.butterflies)
+        rotated = torch.from_numpy(np.ascontiguousarray(rotated))
+    else:
+        rotated = (x.double() @ matrix).float()
+    return (_round_trip(rotated, fmt).double() @ matrix.T / rotation.gain).float()
+
+
 class _RotatedFakeQuantAttention:
     """Dense causal attention over K, V -> x R -> quantize-dequantize -> x R^T / gain, per
-    layer (R R^T = gain I)."""
+    layer and for the streams `rotated` names (R R^T = gain I)."""
 
-    def __init__(self, llm: LLM, num_tokens: int, rotates_values: bool) -> None:
+    def __init__(self, llm: LLM, num_tokens: int, rotated: tuple[bool, bool]) -> None:
         self.dense = DenseCausalAttention([num_tokens])
         self.formats = layer_formats(llm.arch, llm.policy)
         self.head_dim = llm.arch.head_dim
         self.rotation = llm.policy.rotation
-        self.rotates_values = rotates_values
+        self.rotated = rotated
 
     def __call__(self, layer: int, q, k, v):
-        rotation = rotation_matrix(self.rotation, self.head_dim, layer)
-        matrix, gain = rotation.matrix.double(), rotation.gain
+        rotation = kv_rotation(self.rotation, self.head_dim, layer)
+        keys, values = (
+            r if on else None
+            for r, on in zip((rotation.keys, rotation.values), self.rotated, strict=True)
+        )
         formats = self.formats[layer]
-        k = _round_trip((k.double() @ matrix).float(), formats.k).double() @ matrix.T / gain
-        if self.rotates_values:
-            v = _round_trip((v.double() @ matrix).float(), formats.v).double() @ matrix.T / gain
-        else:
-            v = _round_trip(v, formats.v)
-        return self.dense(layer, q, k.float(), v.float())
+        return self.dense(layer, q, _through(k, keys, formats.k), _through(v, values, formats.v))
 
 
 # TurboQuant rotates keys only, with Lloyd-Max key codes over whole vectors (head_dim 32).
 TURBOQUANT = ROTATED.replace(k_dtype="lloyd4", v_dtype="int3_tq", group_size=32)
+# llama.cpp rotates a stream only where its type is quantized (head_dim 128: keys in blocks of
+# 128, values in blocks of 64).
+LLAMACPP = KVPolicy("q4_0", "fp16", rotation="llamacpp", block_size=8, chunk_size=16)
 
 
 @pytest.mark.parametrize(
-    ("policy", "rotates_values"),
+    ("policy", "rotated", "head_dim"),
     [
-        (ROTATED.replace(rotation="hadamard"), True),
-        (ROTATED.replace(rotation="vllm_rht"), True),
-        (TURBOQUANT.replace(rotation="turboquant"), False),
+        (ROTATED.replace(rotation="hadamard"), (True, True), 32),
+        (ROTATED.replace(rotation="vllm_rht"), (True, True), 32),
+        (TURBOQUANT.replace(rotation="turboquant"), (True, False), 32),
+        (LLAMACPP, (True, False), 128),
+        (LLAMACPP.replace(k_dtype="fp16", v_dtype="q4_1"), (False, True), 128),
+        (LLAMACPP.replace(v_dtype="iq4_nl"), (True, True), 128),
     ],
-    ids=["hadamard", "vllm_rht", "turboquant"],
+    ids=["hadamard", "vllm_rht", "turboquant", "llamacpp_k", "llamacpp_v", "llamacpp_kv"],
 )
 def test_rotated_cache_equals_dense_attention_over_rotated_round_trips(
-    tiny_llama, policy, rotates_values
+    request, policy, rotated, head_dim
 ):
+    model = request.getfixturevalue("tiny_llama" if head_dim == 32 else "tiny_llama_head_dim_128")
     tokens = random_tokens(40, seed=5)
-    llm = LLM(str(tiny_llama), policy=policy, max_model_len=64)
+    llm = LLM(str(model), policy=policy, max_model_len=64)
     logits = llm.prompt_logits(tokens)
-    oracle = _RotatedFakeQuantAttention(llm, len(tokens), rotates_values)
+    oracle = _RotatedFakeQuantAttention(llm, len(tokens), rotated)
     ids = torch.tensor(tokens)
     with torch.no_grad():
         hidden = llm.model.forward(ids, torch.arange(len(tokens)), oracle)
         expected = llm.model.logits(hidden)
     assert relative_error(logits, expected) < 1e-4
-    unrotated = LLM(str(tiny_llama), policy=policy.replace(rotation="none"), max_model_len=64)
+    unrotated = LLM(str(model), policy=policy.replace(rotation="none"), max_model_len=64)
     assert relative_error(unrotated.prompt_logits(tokens), expected) > 1e-3
 
 
@@ -80,8 +102,18 @@ def test_rotation_matrices_are_built_once_and_only_for_quantized_layers(tiny_lla
     layers = ("fp16/fp16", "int4/fp16")
     policy = ROTATED.replace(layer_dtypes=layers)
     cache = LLM(str(tiny_llama), policy=policy, max_model_len=64).engine.cache
-    assert cache.rotations[0] is None
-    assert torch.equal(cache.rotations[1].matrix, rotation_matrix("hadamard", 32, 1).matrix)
+    assert cache.rotations[0] == KVRotation()
+    hadamard = kv_rotation("hadamard", 32, 1).keys.matrix
+    assert torch.equal(cache.rotations[1].keys.matrix, hadamard)
+    assert cache.rotations[1].values is cache.rotations[1].keys  # built once, shared
+
+
+def test_llamacpp_rotation_reaches_only_the_quantized_streams(tiny_llama_head_dim_128):
+    layers = ("fp16/fp16", "q8_0/fp16")
+    policy = LLAMACPP.replace(layer_dtypes=layers)
+    cache = LLM(str(tiny_llama_head_dim_128), policy=policy, max_model_len=64).engine.cache
+    assert cache.rotations[0] == KVRotation()
+    assert cache.rotations[1].values is None and cache.rotations[1].keys.butterflies == 128
 
 
 @pytest.mark.parametrize(
@@ -110,7 +142,7 @@ def test_tensor_scales_are_calibrated_on_the_rotated_vectors_the_cache_stores(ti
     rotated_amax = {}
 
     def record(layer, q, k, v):
-        matrix = rotation_matrix("hadamard", 32, layer).matrix
+        matrix = kv_rotation("hadamard", 32, layer).keys.matrix
         rotated_amax[layer] = [(x.float() @ matrix).abs().max().item() for x in (k, v)]
         return dense(layer, q, k, v)
 

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from kvtune.runtime.policy import KVPolicy
 
 POLICY_DIR = Path(__file__).resolve().parents[3] / "conf" / "policy"
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "llamacpp")
 
 
 def preset_names() -> list[str]:
@@ -33,7 +33,7 @@ def engine_presets(head_dim: int) -> dict[str, KVPolicy]:
 @functools.cache
 def _composed_presets(head_dim: int) -> tuple[tuple[str, KVPolicy], ...]:
     """The presets composed once a process and head_dim: every export asks which preset stores
-    a trial's cache, and composing 13 files with OmegaConf each time cost most of an export."""
+    a trial's cache, and composing 21 files with OmegaConf each time cost most of an export."""
     default = OmegaConf.load(POLICY_DIR / "default.yaml")
     presets = {}
     for engine in ENGINES:

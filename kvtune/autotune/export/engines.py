@@ -1,4 +1,5 @@
-"""Deployable files for one trial: the kvtune policy, vLLM and SGLang configs, and NOTES.md.
+"""Deployable files for one trial: the kvtune policy, vLLM and SGLang configs, llama-server's
+flags (llama.cpp, `kvtune.autotune.export.llamacpp`), and NOTES.md.
 
 Engines express less than kvtune's policy. vLLM (`vllm serve --config vllm.yaml`) has one KV
 dtype for every layer (`kv-cache-dtype`) plus `kv-cache-dtype-skip-layers`, the layers kept in
@@ -10,9 +11,10 @@ over. Otherwise, of the engine presets the study measured (study.engine_presets)
 the fewest bytes that measured at least as accurate as the trial serves: accuracy is judged by
 measurement, not by bytes. Failing that it writes the nearest config by rule (FP8 per tensor
 where a layer quantizes, the model dtype where it does not; SGLang's NVFP4 when every layer is
-FP4), a different and unmeasured cache: NOTES.md says so, compares its bytes with the policy's
-and gives its kvtune form to measure. Option values were checked against vLLM 0.33.0's
-CacheConfig and SGLang 0.5.23's server arguments (docs/engine_formats.md).
+FP4; llama.cpp's types by `llamacpp.llamacpp_policy`), a different and unmeasured cache:
+NOTES.md says so, compares its bytes with the policy's and gives its kvtune form to measure.
+Option values were checked against vLLM 0.33.0's CacheConfig, SGLang 0.5.23's server arguments
+and llama.cpp 0c1e570's common/arg.cpp (docs/engine_formats.md).
 """
 
 from __future__ import annotations
@@ -26,7 +28,17 @@ import yaml
 
 from kvtune.autotune.config.engine_presets import ENGINES
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
-from kvtune.autotune.export.exact_presets import ExactPreset, exact_preset
+from kvtune.autotune.export.exact_presets import LLAMACPP, ExactPreset, exact_preset
+from kvtune.autotune.export.llamacpp import (
+    MAX_SLOTS,
+    exact_source,
+    llama_server_args,
+    llamacpp_gaps,
+    llamacpp_policy,
+    server_slots,
+    slot_context,
+    stream_types,
+)
 from kvtune.autotune.planning.capacity import CapacityRow, build_plan, capacity_row, kv_budget_bytes
 from kvtune.autotune.study.objectives import capacity_metrics
 from kvtune.autotune.study.recipe import TuneSetup
@@ -189,6 +201,14 @@ def sglang_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
         return EngineMapping("fp8_e4m3", (), _engine_policy(policy, pairs, PER_TENSOR, "fp16"))
     pairs = ["fp4/fp4"] * layers
     return EngineMapping("nvfp4", (), _engine_policy(policy, pairs, NVFP4_GROUP, "e4m3"))
+
+
+def llamacpp_mapping(policy: KVPolicy, arch: ModelArch) -> EngineMapping:
+    """llama.cpp's K and V types storing this policy's codes (kv_cache_dtype "<K type>/<V
+    type>", preset: which presets store them), else the nearest types (`llamacpp_policy`)."""
+    equivalent, exact = llamacpp_policy(policy, arch)
+    types = "/".join(stream_types(equivalent, arch))
+    return EngineMapping(types, (), equivalent, None if exact is None else exact_source(exact))
 
 
 def layer_ranges(items: Sequence[str]) -> list[str]:
@@ -381,9 +401,8 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
 def _engine_lines(
     name: str, mapping: EngineMapping, record: TrialRecord, setup: TuneSetup
 ) -> list[str]:
-    """Whether an engine config serves this trial's cache, and if not, what it costs and what
-    it measured (or how to measure it)."""
-    arch = setup.arch
+    """Whether a vLLM or SGLang config serves this trial's cache, and if not, what it costs and
+    what it measured (or how to measure it)."""
     policy = record.policy
     assert policy is not None
     skip = (
@@ -392,14 +411,38 @@ def _engine_lines(
         else ""
     )
     head = f"- {name}: kv-cache-dtype {mapping.kv_cache_dtype}{skip}"
-    if mapping.preset is not None and policy.tensor_scale == "unit":
+    unit = policy.tensor_scale == "unit"
+    return _mapping_lines(head, mapping, f"preset `{mapping.preset}`", unit, record, setup)
+
+
+def _llamacpp_lines(mapping: EngineMapping, record: TrialRecord, setup: TuneSetup) -> list[str]:
+    """The same for llama-server (its types carry no tensor scale: the codes are the same)."""
+    k_type, v_type = stream_types(mapping.equivalent, setup.arch)
+    head = f"- llama.cpp: --cache-type-k {k_type} --cache-type-v {v_type}"
+    return _mapping_lines(head, mapping, mapping.preset or "", True, record, setup)
+
+
+def _mapping_lines(
+    head: str,
+    mapping: EngineMapping,
+    source: str,
+    same_codes: bool,
+    record: TrialRecord,
+    setup: TuneSetup,
+) -> list[str]:
+    """An engine line (head) and what it says: exact (stored as `source` stores it; same_codes:
+    the engine's per-tensor scale is the policy's), measured or nearest."""
+    arch = setup.arch
+    policy = record.policy
+    assert policy is not None
+    if mapping.preset is not None and same_codes:
         return [
-            f"{head}: the same codes as this policy (preset `{mapping.preset}`), so the accuracy "
-            "measured here carries over."
+            f"{head}: the same codes as this policy ({source}), so the accuracy measured here "
+            "carries over."
         ]
     if mapping.preset is not None:
         return [
-            f"{head}: the same format as this policy (preset `{mapping.preset}`), but the engine "
+            f"{head}: the same format as this policy ({source}), but the engine "
             "reads its fp32 per-layer scale from the checkpoint (1.0 without one) where kvtune "
             f"calibrated it, so codes can differ: `kvtune evaluate policy={mapping.preset}` "
             "measures what the engine stores."
@@ -473,12 +516,13 @@ def notes_markdown(
     device: DeviceSpec,
     serve: ServeSettings,
     engines: dict[str, EngineMapping],
+    llamacpp: EngineMapping,
     study_name: str,
     pick: str,
     records: Sequence[TrialRecord] = (),
 ) -> str:
-    """NOTES.md: the picked trial's numbers, the gaps per engine, the engine formats the study
-    measured, the capacity tables."""
+    """NOTES.md: the picked trial's numbers, the gaps per engine (vLLM and SGLang, then
+    llama.cpp), the engine formats the study measured, the capacity tables."""
     policy = record.policy
     assert policy is not None
     arch = setup.arch
@@ -505,15 +549,20 @@ def notes_markdown(
         "| --- | --- |",
         *[f"| {name} | {_number(value)} |" for name, value in metrics.items()],
         "",
-        "## What the engines cannot express",
+        "## What vLLM and SGLang cannot express",
         "",
     ]
     exact = any(mapping.preset is not None for mapping in engines.values())
     gaps = _policy_gaps(policy, arch, formats_exported=exact)
     lines += [f"- {gap}" for gap in gaps] or ["- nothing: the engines store this policy as is"]
+    lines += ["", "## What llama.cpp cannot express", ""]
+    lines += [f"- {gap}" for gap in llamacpp_gaps(policy, arch)] or [
+        "- nothing: llama.cpp stores this policy as is"
+    ]
     lines += ["", "## The exported engine configs", ""]
     for name, mapping in engines.items():
         lines += _engine_lines(name, mapping, record, setup)
+    lines += _llamacpp_lines(llamacpp, record, setup)
     lines += _measured_presets_table(record, records, setup)
     lines += [
         "",
@@ -523,7 +572,7 @@ def notes_markdown(
         "| --- | ---: | ---: | ---: | ---: |",
         _row("kvtune policy", _capacity("kvtune", arch, policy, device, serve)),
     ]
-    for name, mapping in engines.items():
+    for name, mapping in {**engines, "llama.cpp": llamacpp}.items():
         lines.append(
             _row(f"{name} nearest", _capacity(name, arch, mapping.equivalent, device, serve))
         )
@@ -548,6 +597,13 @@ def notes_markdown(
         f"({workload.context_len} tokens) that the nearest engine config fits on {device.name} "
         "(the capacity table above; at least 1); vLLM also needs "
         "max-num-batched-tokens >= max-num-seqs, so that is max(chunk_size, max-num-seqs).",
+        "",
+        f"llama-server's --parallel: slots of {slot_context(serve)} tokens (the workload's "
+        "context rounded up to llama.cpp's multiple of 256) that its cache types fit on "
+        f"{device.name}, at most {MAX_SLOTS} (llama.cpp's LLAMA_MAX_SEQ); --ctx-size is the "
+        "total context over all slots (slots x "
+        f"{slot_context(serve)}), which llama.cpp splits evenly between them, so a request "
+        "longer than a slot does not fit (add --kv-unified to let the slots share the cells).",
     ]
     if policy.block_size > VLLM_CUDA_MAX_BLOCK:
         lines += [
@@ -567,9 +623,9 @@ def write_export(
     pick: str,
     records: Sequence[TrialRecord] = (),
 ) -> list[Path]:
-    """Write kvtune.yaml, vllm.yaml, sglang.args and NOTES.md into folder; returns the paths.
-    records: the study's trials, whose measured engine presets may serve as the engine config
-    (`nearest_measured`) and are listed in NOTES.md."""
+    """Write kvtune.yaml, vllm.yaml, sglang.args, llama-server.args and NOTES.md into folder;
+    returns the paths. records: the study's trials, whose measured engine presets may serve as
+    the engine config (`nearest_measured`) and are listed in NOTES.md."""
     policy = record.policy
     assert policy is not None
     serve = setup.serve
@@ -578,7 +634,9 @@ def write_export(
         "vLLM": nearest_measured(vllm_mapping(policy, arch), record, records, arch, "vllm"),
         "SGLang": nearest_measured(sglang_mapping(policy, arch), record, records, arch, "sglang"),
     }
+    llamacpp = nearest_measured(llamacpp_mapping(policy, arch), record, records, arch, LLAMACPP)
     capacity = {name: engine_max_num_seqs(arch, m, device, serve) for name, m in engines.items()}
+    slots = server_slots(arch, llamacpp.equivalent, device, serve)
     folder.mkdir(parents=True, exist_ok=True)
     header = f"# kvtune policy: study {study_name}, pick {pick}, trial {record.number}\n"
     files = {
@@ -588,8 +646,10 @@ def write_export(
         ),
         "sglang.args": "\n".join(sglang_args(policy, engines["SGLang"], serve, capacity["SGLang"]))
         + "\n",
+        "llama-server.args": "\n".join(llama_server_args(llamacpp.equivalent, arch, slots, serve))
+        + "\n",
         "NOTES.md": notes_markdown(
-            record, setup, device, serve, engines, study_name, pick, records
+            record, setup, device, serve, engines, llamacpp, study_name, pick, records
         ),
     }
     paths = []

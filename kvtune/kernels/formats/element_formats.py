@@ -22,9 +22,12 @@ bits: CODE_UINT + bits for the unsigned integer codes of the asymmetric formats,
 bits for vLLM TurboQuant's value codes (asymmetric, coded from the fp32 range with halves
 rounded up, scale and zero point stored in fp16) and CODE_LLOYD + bits for TurboQuant's key
 codes (Lloyd-Max levels of the unit vector, `kernels.lloyd_max`; the group "scale" is its fp16
-L2 norm, and a read rescales the levels to unit norm first: norm correction). A format of a new
-family needs a CODE of its own and its branches in `kvtune.kernels.formats.quantize`; one of an
-existing family (another bit width) needs none.
+L2 norm, and a read rescales the levels to unit norm first: norm correction). llama.cpp's
+quantized cache types (`kvtune.kernels.formats.ggml_codes`) are CODE_Q8_0, CODE_IQ4_NL and two
+families, CODE_GGML_SIGNED + bits (q4_0, q5_0) and CODE_GGML_MIN + bits (q4_1, q5_1); their
+group parameters follow ggml's own arithmetic (`ggml_block`). A format of a new family needs a
+CODE of its own and its branches in `kvtune.kernels.formats.quantize`; one of an existing family
+(another bit width) needs none.
 """
 
 from __future__ import annotations
@@ -43,6 +46,14 @@ from kvtune.kernels.formats.fp_codes import (
     encode_e2m1_ties_away_ref,
     encode_e4m3_fast,
     pack_e2m1_ref,
+)
+from kvtune.kernels.formats.ggml_codes import (
+    decode_iq4_nl_ref,
+    decode_q8_0_ref,
+    encode_ggml_min_ref,
+    encode_ggml_signed_ref,
+    encode_iq4_nl_ref,
+    encode_q8_0_ref,
 )
 from kvtune.kernels.formats.int_codes import (
     codes_per_chunk,
@@ -65,9 +76,13 @@ CODE_E2M1_TIES_AWAY = 3
 CODE_INT8_SYMMETRIC = 4
 CODE_E2M1_4OVER6 = 5
 CODE_INT4_ZERO_IN_SCALE = 6
+CODE_Q8_0 = 7
+CODE_IQ4_NL = 8
 CODE_UINT = 16
 CODE_UINT_HALF_UP = 32
 CODE_LLOYD = 48
+CODE_GGML_SIGNED = 64
+CODE_GGML_MIN = 80
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,11 +100,14 @@ class FormatInfo:
         config stores where no engine stores the format itself (fp8: E4M3 per tensor in both
         engines; fp4: NVFP4, SGLang's when every layer is FP4). None: unquantized, kept in the
         model dtype.
+    ggml_type: llama.cpp's name (ggml_type_name, its --cache-type-k / -v value) for the type
+        that stores exactly these elements; None where llama.cpp has no such type.
     """
 
     table_code: str
     description: str
     nearest_engine: str | None = None
+    ggml_type: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,18 +173,30 @@ class ElementFormat(FormatInfo):
 
     @property
     def family(self) -> int:
-        """CODE of the format's family (CODE_UINT, CODE_UINT_HALF_UP, CODE_LLOYD) or its own."""
+        """CODE of the format's family (CODE_UINT, CODE_UINT_HALF_UP, CODE_LLOYD,
+        CODE_GGML_SIGNED, CODE_GGML_MIN) or its own."""
         return self.code if self.code < CODE_UINT else self.code - self.bits
+
+    @property
+    def ggml_block(self) -> bool:
+        """A llama.cpp quantized type: group parameters by ggml's arithmetic (d, id and an fp32
+        minimum subtracted before multiplying, `kvtune.kernels.formats.ggml_codes`)."""
+        return self.quantized and self.ggml_type is not None
 
 
 def _float_format(
-    dtype: torch.dtype, table_code: str, spellings: tuple[str, ...], cache_choice: bool = True
+    dtype: torch.dtype,
+    table_code: str,
+    spellings: tuple[str, ...],
+    ggml_type: str,
+    cache_choice: bool = True,
 ) -> ElementFormat:
     """An unquantized format: the values themselves, in `dtype`."""
     name = str(dtype).removeprefix("torch.")
     return ElementFormat(
         table_code=table_code,
         description=f"{name} values, stored as they are",
+        ggml_type=ggml_type,
         bits=torch.finfo(dtype).bits,
         code=CODE_FLOAT,
         encode=lambda x: x.to(dtype),
@@ -243,10 +273,70 @@ def _lloyd_format(bits: int) -> ElementFormat:
     )
 
 
+def _ggml_format(
+    ggml_type: str,
+    table_code: str,
+    description: str,
+    bits: int,
+    code: int,
+    encode_codes: Callable[[torch.Tensor], torch.Tensor],
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    max_code: float,
+    zero_point: bool = False,
+) -> ElementFormat:
+    """A llama.cpp quantized cache type (`kvtune.kernels.formats.ggml_codes`): codes of `bits`
+    bits packed as kvtune packs them, one fp16 scale (and minimum) per group. encode_codes:
+    units -> uint8 codes; decode: stored bytes -> fp32 code values."""
+    return ElementFormat(
+        table_code=table_code,
+        description=description,
+        nearest_engine="fp8",
+        ggml_type=ggml_type,
+        bits=bits,
+        code=code,
+        encode=lambda units: pack_codes_ref(encode_codes(units), bits),
+        decode=decode,
+        max_code=max_code,
+        zero_point=zero_point,
+        scale_dtype="fp16",
+    )
+
+
+def _ggml_signed(bits: int) -> ElementFormat:
+    """q4_0 / q5_0: codes offset by 2^(bits - 1), scale max / -2^(bits - 1)."""
+    half = 2 ** (bits - 1)
+    return _ggml_format(
+        f"q{bits}_0",
+        f"q{bits}",
+        "llama.cpp's signed block codes (q4_0, q5_0: an fp16 scale per group from its element of "
+        "largest magnitude)",
+        bits,
+        CODE_GGML_SIGNED + bits,
+        lambda units: encode_ggml_signed_ref(units, bits),
+        lambda packed: decode_codes_fast(packed, bits) - half,
+        float(half),
+    )
+
+
+def _ggml_min(bits: int) -> ElementFormat:
+    """q4_1 / q5_1: unsigned codes, scale (max - min) / (2^bits - 1) and the minimum."""
+    return _ggml_format(
+        f"q{bits}_1",
+        f"u{bits}",
+        "llama.cpp's block codes with a minimum (q4_1, q5_1: an fp16 scale and minimum per group)",
+        bits,
+        CODE_GGML_MIN + bits,
+        lambda units: encode_ggml_min_ref(units, bits),
+        lambda packed: decode_codes_fast(packed, bits),
+        float(2**bits - 1),
+        zero_point=True,
+    )
+
+
 ELEMENT_FORMATS: dict[str, ElementFormat] = {
-    "fp32": _float_format(torch.float32, "f", ("float32", "float"), cache_choice=False),
-    "fp16": _float_format(torch.float16, "h", ("float16", "half")),
-    "bf16": _float_format(torch.bfloat16, "b", ("bfloat16",)),
+    "fp32": _float_format(torch.float32, "f", ("float32", "float"), "f32", cache_choice=False),
+    "fp16": _float_format(torch.float16, "h", ("float16", "half"), "f16"),
+    "bf16": _float_format(torch.bfloat16, "b", ("bfloat16",), "bf16"),
     "fp8": ElementFormat(
         table_code="8",
         description="FP8 E4M3 codes",
@@ -308,6 +398,31 @@ ELEMENT_FORMATS: dict[str, ElementFormat] = {
     "lloyd4": _lloyd_format(4),
     "lloyd3": _lloyd_format(3),
     "lloyd2": _lloyd_format(2),
+    "q8_0": _ggml_format(
+        "q8_0",
+        "q8",
+        "llama.cpp's q8_0 codes (int8, an fp16 scale amax / 127 per group, rounded as its x86 "
+        "CPU backend rounds them)",
+        8,
+        CODE_Q8_0,
+        encode_q8_0_ref,
+        decode_q8_0_ref,
+        127.0,
+    ),
+    "q4_0": _ggml_signed(4),
+    "q5_0": _ggml_signed(5),
+    "q4_1": _ggml_min(4),
+    "q5_1": _ggml_min(5),
+    "iq4_nl": _ggml_format(
+        "iq4_nl",
+        "n4",
+        "llama.cpp's iq4_nl codes (16 non-uniform levels, an fp16 least-squares scale per group)",
+        4,
+        CODE_IQ4_NL,
+        encode_iq4_nl_ref,
+        lambda packed: decode_iq4_nl_ref(decode_codes_fast(packed, 4)),
+        127.0,
+    ),
 }
 _BY_CODE = {element.code: element for element in ELEMENT_FORMATS.values() if element.quantized}
 

@@ -26,6 +26,12 @@ code * s_g is exact in fp32 (at most 8 + 11 significant bits), so a fused multip
 separate multiply and add give the same bits. Elements below z_g (min rounded up to fp16) land on
 code 0; the error of every element in [z_g, z_g + max_code * s_g] is at most s_g / 2.
 
+llama.cpp's cache types (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl; `ggml_block` in the registry)
+follow ggml's own arithmetic instead (`kvtune.kernels.formats.ggml_codes`): the group's fp32 d,
+minimum and multiplier id come from the group (d = max / -8 for q4_0, ...), the code units are
+(x_t - minimum) * id, the stored scale is fp16(d) and the zero point fp16(minimum); a value reads
+back as code value * scale (+ zero point) like any other format.
+
 group_size None (per tensor) stores no group scales (s_g = 1): code = encode(x / tensor_scale).
 tensor_scale is an fp32 one-element tensor chosen by the caller (calibrated by the runtime); 1
 leaves x unchanged, which is the classic fp16-group-scale scheme. With e4m3 scales this is
@@ -54,11 +60,12 @@ kernels that pass it through need no change. A format with a zero point keeps it
 buffer, after the vector's group scales, so the helpers need no extra pointer.
 
 Where a format plugs in: the CODE switches of `load_dequant_tile`, `_group_parameters`,
-`_store_codes` and `_to_code_units`, with their torch references `quantize_groups_ref` and
-`dequantize_ref`, are the one place the kernels name code families (the CODE constants of
-`kvtune.kernels.formats.element_formats`). A format of a new family adds its branch to each,
-calling the Triton helpers and references of its own codes module; another bit width of an
-existing family (CODE_UINT, CODE_UINT_HALF_UP or CODE_LLOYD + bits) adds none. Every other
+`_store_codes` and `_to_code_units`, with their torch references `quantize_groups_ref` (and
+`_ggml_groups_ref`) and `dequantize_ref`, are the one place the kernels name code families (the
+CODE constants of `kvtune.kernels.formats.element_formats`). A format of a new family adds its
+branch to each, calling the Triton helpers and references of its own codes module; another bit
+width of an existing family (CODE_UINT, CODE_UINT_HALF_UP, CODE_LLOYD, CODE_GGML_SIGNED or
+CODE_GGML_MIN + bits) adds none. Every other
 property a kernel needs (bits, max_code, zero_point, ...) is read from the registry entry
 through `code_property`.
 
@@ -86,6 +93,22 @@ from kvtune.kernels.formats.fp_codes import (
     encode_e2m1_ties_away,
     encode_e4m3,
     round_to_bf16,
+)
+from kvtune.kernels.formats.ggml_codes import (
+    decode_ggml_signed,
+    decode_iq4_nl,
+    encode_ggml_min,
+    encode_ggml_signed,
+    encode_iq4_nl,
+    encode_q8_0,
+    ggml_min_parameters,
+    ggml_min_parameters_ref,
+    ggml_signed_parameters,
+    ggml_signed_parameters_ref,
+    iq4_nl_parameters,
+    iq4_nl_parameters_ref,
+    q8_0_parameters,
+    q8_0_parameters_ref,
 )
 from kvtune.kernels.formats.int_codes import HALF_UP_SCALE_FLOOR, encode_uint, encode_uint_half_up
 from kvtune.kernels.formats.kv_format import KVFormat
@@ -117,6 +140,10 @@ CODE_INT4_ZERO_IN_SCALE = tl.constexpr(element_formats.CODE_INT4_ZERO_IN_SCALE)
 CODE_INT8_SYMMETRIC = tl.constexpr(element_formats.CODE_INT8_SYMMETRIC)
 CODE_UINT_HALF_UP = tl.constexpr(element_formats.CODE_UINT_HALF_UP)
 CODE_LLOYD = tl.constexpr(element_formats.CODE_LLOYD)
+CODE_Q8_0 = tl.constexpr(element_formats.CODE_Q8_0)
+CODE_IQ4_NL = tl.constexpr(element_formats.CODE_IQ4_NL)
+CODE_GGML_SIGNED = tl.constexpr(element_formats.CODE_GGML_SIGNED)
+CODE_GGML_MIN = tl.constexpr(element_formats.CODE_GGML_MIN)
 # Added to a Lloyd-Max group's norm before dividing by it; TurboQuant values' smallest scale.
 _NORM_EPS = tl.constexpr(NORM_EPS)
 _HALF_UP_SCALE_FLOOR = tl.constexpr(HALF_UP_SCALE_FLOOR)
@@ -136,9 +163,10 @@ def format_switches(fmt: KVFormat, prefix: str = "") -> dict[str, int | bool]:
     """Constexpr switches of a format for the device helpers, keys prefixed (e.g. "K_").
 
     CODE: CODE_FLOAT (stored as fp32/fp16/bf16), CODE_E4M3, CODE_E2M1, CODE_E2M1_TIES_AWAY,
-    CODE_E2M1_4OVER6, CODE_INT4_ZERO_IN_SCALE,
-    CODE_INT8_SYMMETRIC, or a family's CODE + bits (CODE_UINT: asymmetric integer codes with zero
-    points; CODE_UINT_HALF_UP, CODE_LLOYD: vLLM TurboQuant's value and key codes);
+    CODE_E2M1_4OVER6, CODE_INT4_ZERO_IN_SCALE, CODE_INT8_SYMMETRIC, CODE_Q8_0, CODE_IQ4_NL, or
+    a family's CODE + bits (CODE_UINT: asymmetric integer codes with zero points;
+    CODE_UINT_HALF_UP, CODE_LLOYD: vLLM TurboQuant's value and key codes; CODE_GGML_SIGNED,
+    CODE_GGML_MIN: llama.cpp's q4_0 / q5_0 and q4_1 / q5_1);
     GROUP_SIZE: elements a group scale covers, 0 for none; SCALE_DTYPE: the SCALE code of the
     group scales' dtype (0 fp16, 1 e4m3, 2 fp32, 3 ue8m0; 0 when unquantized); TOKEN_GROUP:
     consecutive rows sharing a row of scales.
@@ -232,8 +260,12 @@ def load_dequant_tile(
             values = decode_e4m3(codes)
         elif CODE == CODE_E2M1 or CODE == CODE_E2M1_TIES_AWAY or CODE == CODE_E2M1_4OVER6:  # noqa: SIM109
             values = decode_e2m1(codes)
-        elif CODE == CODE_INT8_SYMMETRIC:
+        elif CODE == CODE_INT8_SYMMETRIC or CODE == CODE_Q8_0:  # noqa: SIM109
             values = decode_int8_symmetric(codes)
+        elif FAMILY == CODE_GGML_SIGNED:
+            values = decode_ggml_signed(codes, BITS)
+        elif CODE == CODE_IQ4_NL:
+            values = decode_iq4_nl(codes)
         elif FAMILY == CODE_LLOYD:
             levels = tl.where(dmask, decode_lloyd(codes, BITS, GROUP_SIZE), 0.0)
             values = _unit_groups(levels, GROUP_SIZE)
@@ -326,6 +358,17 @@ def _group_parameters(
     if CODE == CODE_INT4_ZERO_IN_SCALE:
         low, high = tl.min(grouped, axis=2), tl.max(grouped, axis=2)
         scale, zero, stored = zero_in_scale_parameters(low, high)
+    elif code_property(CODE, "ggml_block"):
+        # "scale" is ggml's multiplier id and "zero" its fp32 minimum (`_to_code_units`).
+        BITS: tl.constexpr = code_property(CODE, "bits")
+        if FAMILY == CODE_GGML_SIGNED:
+            stored, scale, stored_zero, zero = ggml_signed_parameters(grouped, BITS)
+        elif FAMILY == CODE_GGML_MIN:
+            stored, scale, stored_zero, zero = ggml_min_parameters(grouped, BITS)
+        elif CODE == CODE_Q8_0:
+            stored, scale, stored_zero, zero = q8_0_parameters(grouped)
+        else:
+            stored, scale, stored_zero, zero = iq4_nl_parameters(grouped)
     elif FAMILY == CODE_LLOYD:
         # Stored: the fp16 norm; coded: coordinates of x / (fp32 norm + eps).
         zero = tl.zeros((BLOCK_R, NUM_GROUPS), tl.float32)
@@ -388,6 +431,14 @@ def _store_codes(
         codes = encode_int8_symmetric(scaled)
     elif CODE == CODE_INT4_ZERO_IN_SCALE:
         codes = encode_zero_in_scale(scaled)
+    elif CODE == CODE_Q8_0:
+        codes = encode_q8_0(scaled)
+    elif CODE == CODE_IQ4_NL:
+        codes = encode_iq4_nl(scaled)
+    elif FAMILY == CODE_GGML_SIGNED:
+        codes = encode_ggml_signed(scaled, BITS)
+    elif FAMILY == CODE_GGML_MIN:
+        codes = encode_ggml_min(scaled, BITS)
     elif FAMILY == CODE_LLOYD:
         codes = encode_lloyd(scaled, BITS, GROUP_SIZE)
     elif FAMILY == CODE_UINT_HALF_UP:
@@ -395,9 +446,12 @@ def _store_codes(
     else:
         codes = encode_uint(scaled, BITS)
     # CHUNK codes fill CHUNK_BYTES whole bytes; code j of a chunk goes to bit j * BITS of its
-    # little-endian word (disjoint bit fields: their sum is their bitwise or).
+    # little-endian word (disjoint bit fields: their sum is their bitwise or), 64 bits wide
+    # where a chunk takes more than 32 (5-bit codes: 8 in 5 bytes).
     CHUNK: tl.constexpr = code_property(CODE, "chunk")
     CHUNK_BYTES: tl.constexpr = CHUNK * BITS // 8
+    if CHUNK * BITS > 32:
+        codes = codes.to(tl.int64)
     if CHUNK > 1:
         shifts = tl.arange(0, CHUNK) * BITS
         chunks = tl.reshape(codes, (BLOCK_R, BLOCK_D // CHUNK, CHUNK))
@@ -414,9 +468,12 @@ def _store_codes(
 def _to_code_units(grouped, scale, zero, CODE: tl.constexpr, RECIPROCAL: tl.constexpr):
     """(x - zero) / scale per group, or (x - zero) * fp32(1 / scale) with RECIPROCAL (0 where a
     group's scale is 0; zero is 0 for symmetric CODEs), or x * fp32(1 / scale) + zero for the
-    zero-in-scale int4 codes; grouped [..., G, n] with scale and zero broadcastable to it."""
+    zero-in-scale int4 codes, or (x - minimum) * id for llama.cpp's types (scale holds id, zero
+    the minimum); grouped [..., G, n] with scale and zero broadcastable to it."""
     if CODE == CODE_INT4_ZERO_IN_SCALE:
         return zero_in_scale_units(grouped, scale, zero)
+    if code_property(CODE, "ggml_block"):
+        return (grouped - zero) * scale
     if code_property(CODE, "zero_point"):
         grouped = grouped - zero
     divisor = tl.where(scale == 0.0, 1.0, scale)
@@ -761,6 +818,8 @@ def quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Ten
     if family == element_formats.CODE_INT4_ZERO_IN_SCALE:
         scale, zero, scales = zero_in_scale_parameters_ref(grouped.amin(-1), grouped.amax(-1))
         return zero_in_scale_units_ref(grouped, scale[..., None], zero[..., None]), scales
+    if fmt.element.ggml_block:
+        return _ggml_groups_ref(grouped, fmt)
     if family == element_formats.CODE_LLOYD:
         norm = _group_norms_ref(grouped)
         return grouped / (norm + NORM_EPS)[..., None], norm.half()
@@ -788,6 +847,24 @@ def quantize_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Ten
     divisor = torch.where(scale == 0, 1.0, scale)[..., None]
     units = grouped * (1.0 / divisor) if fmt.scale_format.reciprocal else grouped / divisor
     return torch.where(scale[..., None] == 0, 0.0, units), scales
+
+
+def _ggml_groups_ref(grouped: torch.Tensor, fmt: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_groups_ref` for llama.cpp's types: units (x - minimum) * id, stored fp16 d
+    (and fp16 minimum)."""
+    element, family = fmt.element, fmt.element.family
+    if family == element_formats.CODE_GGML_SIGNED:
+        d, multiplier, low = ggml_signed_parameters_ref(grouped, element.bits)
+    elif family == element_formats.CODE_GGML_MIN:
+        d, multiplier, low = ggml_min_parameters_ref(grouped, element.bits)
+    elif family == element_formats.CODE_Q8_0:
+        d, multiplier, low = q8_0_parameters_ref(grouped)
+    else:
+        d, multiplier, low = iq4_nl_parameters_ref(grouped)
+    if low is None:
+        return grouped * multiplier[..., None], d.half()
+    units = (grouped - low[..., None]) * multiplier[..., None]
+    return units, torch.cat((d.half(), low.half()), dim=-1)
 
 
 def _group_norms_ref(grouped: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,8 @@ class KVPolicy:
         (queries rotated alike, the attention output rotated back;
         kvtune/kernels/formats/rotation.py), or vllm_rht: vLLM's int4_per_token_head transform
         (unnormalized, one sign vector for all layers, rotated K and V cast back to the model
-        dtype). It costs no cache bytes.
+        dtype), or llamacpp: llama.cpp's Walsh-Hadamard blocks, on the quantized streams only.
+        It costs no cache bytes.
     tensor_scale: calibrated (each layer's fp32 K and V tensor scales are measured on a fixed
         text, for per-tensor and E4M3-scaled streams) or unit (1, as vLLM and SGLang use without
         checkpoint k_scale / v_scale: the engine presets).

@@ -10,7 +10,7 @@ from kvtune.kernels.cache.compress import compress_blocks, compress_blocks_ref
 from kvtune.kernels.cache.pool import KVPool, read_vectors_ref, write_vectors_ref
 from kvtune.kernels.cache.rope_align import summary_alignment
 from kvtune.kernels.formats.kv_format import KVFormat
-from kvtune.kernels.formats.rotation import rotation_matrix
+from kvtune.kernels.formats.rotation import kv_rotation
 from kvtune.runtime.model import apply_rope
 
 HEADS, BLOCK = 2, 16
@@ -32,7 +32,7 @@ def test_pooled_keys_equal_rope_of_the_mean_of_raw_keys(head_dim, ratio, rotatio
     raw = torch.randn(BLOCK, HEADS, head_dim, generator=generator)
     positions = torch.arange(BLOCK) + 3 * BLOCK
     cached = _rope(raw, positions, inv_freq)
-    rotation = rotation_matrix(rotation_name, head_dim, 5)
+    rotation = kv_rotation(rotation_name, head_dim, 5).keys
     if rotation is not None:
         cached = cached @ rotation.matrix
     source = KVPool.allocate(KVFormat("fp32"), 4, BLOCK, HEADS, head_dim)
@@ -75,7 +75,7 @@ def test_quantized_destination_matches_reference_within_a_code():
         torch.arange(3 * BLOCK),
         torch.randn(3 * BLOCK, HEADS, head_dim, generator=generator),
     )
-    align = summary_alignment(inv_freq, ratio, rotation_matrix("hadamard", head_dim, 1))
+    align = summary_alignment(inv_freq, ratio, kv_rotation("hadamard", head_dim, 1).keys)
     pools = [KVPool.allocate(KVFormat("fp8", 32), 2, BLOCK, HEADS, head_dim) for _ in range(2)]
     slots = torch.arange(2 * BLOCK // ratio) + 3
     for compress, pool in zip((compress_blocks, compress_blocks_ref), pools, strict=True):

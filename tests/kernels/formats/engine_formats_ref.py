@@ -29,6 +29,8 @@ from functools import cache
 import ml_dtypes
 import numpy as np
 
+from tests.kernels.formats import llamacpp_formats_ref as llamacpp
+
 # --------------------------------------------------------------------------------------------
 # Small floating-point element formats, built from their bit layouts
 # --------------------------------------------------------------------------------------------
@@ -659,9 +661,10 @@ def turboquant_skip_layers(num_layers: int, is_hybrid: bool = False) -> list[int
 
 def kv_bytes_per_token_head(engine: str, dtype: str, head_dim: int) -> int:
     """Cache bytes one token costs in one layer for one KV head, K and V together, from the
-    engines' layouts. Per-layer scalars (per-tensor and global scales) are not counted; for
-    SGLang nvfp4 one scale layout is counted (it keeps two when FlashInfer prefill is paired
-    with TRT-LLM decode, plus a dequant workspace shared by all layers)."""
+    engines' layouts (llama.cpp's: its ggml block sizes, `llamacpp_formats_ref`). Per-layer
+    scalars (per-tensor and global scales) are not counted; for SGLang nvfp4 one scale layout is
+    counted (it keeps two when FlashInfer prefill is paired with TRT-LLM decode, plus a dequant
+    workspace shared by all layers)."""
     d = head_dim
     fp4_with_block16_scales = 2 * (d // 2 + d // 16)
     tables = {
@@ -689,6 +692,7 @@ def kv_bytes_per_token_head(engine: str, dtype: str, head_dim: int) -> int:
             "nvfp4": fp4_with_block16_scales,
             "fp4_mx_block16": fp4_with_block16_scales,
         },
+        "llamacpp": {name: 2 * llamacpp.stream_bytes(name, d) for name in llamacpp.KV_CACHE_TYPES},
     }
     if engine not in tables:
         raise ValueError(f"engine={engine!r}; allowed: {sorted(tables)}")

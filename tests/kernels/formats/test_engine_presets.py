@@ -24,7 +24,7 @@ from hydra import compose, initialize_config_dir
 from kvtune.kernels.cache.pool import KVPool, read_vectors_ref
 from kvtune.kernels.cache.write import write_kv, write_kv_ref
 from kvtune.kernels.formats.kv_format import KVFormat
-from kvtune.kernels.formats.rotation import rotate, rotation_matrix, unrotate
+from kvtune.kernels.formats.rotation import kv_rotation, rotate, unrotate
 from kvtune.runtime.calibration import tensor_scale
 from kvtune.runtime.policy import KVPolicy
 from tests.kernels.formats import engine_formats_ref as ref
@@ -303,7 +303,9 @@ def test_int4_per_token_head_stores_vllms_rotated_codes_and_scale_words(data, he
     fmt = policy.kv_format(policy.k_dtype, "bf16", keys=True)
     expected_bytes = ref.kv_bytes_per_token_head("vllm", "int4_per_token_head", head_dim)
     assert 2 * fmt.vector_bytes(head_dim) == expected_bytes
-    rotation = rotation_matrix(policy.rotation, head_dim, layer=3)
+    rotation = kv_rotation(policy.rotation, head_dim, layer=3)
+    assert rotation.keys is rotation.values
+    rotation = rotation.keys
     x = DATA[data](0)
     if head_dim != DIM:
         x = torch.cat((x, x.flip(-1)), dim=-1)
@@ -366,12 +368,13 @@ def test_turboquant_presets_store_vllms_slots(name, head_dim, data):
     policy = preset_policy(f"vllm/{name}", f"model.head_dim={head_dim}")
     fmt_k = policy.kv_format(policy.k_dtype, "bf16", keys=True)
     fmt_v = policy.kv_format(policy.v_dtype, "bf16")
-    rotation = rotation_matrix(policy.rotation, head_dim, layer=5)
+    rotations = kv_rotation(policy.rotation, head_dim, layer=5)
+    rotation = rotations.keys
     k, v = DATA[data](0), DATA[data](1)
     if head_dim != DIM:
         k, v = (torch.cat((x, x.flip(-1)), dim=-1) for x in (k, v))
     cached_k = k if rotation is None else rotate(k, rotation)
-    assert rotation is None or not rotation.rotates_values
+    assert rotations.values is None
     slots = torch.randperm(NUM_BLOCKS * BLOCK, generator=torch.Generator().manual_seed(2))[:TOKENS]
     expected = ref.encode_turboquant(k.numpy(), v.numpy(), name)
     key_bytes = ref.turboquant_key_bytes(preset, head_dim)

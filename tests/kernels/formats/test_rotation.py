@@ -14,12 +14,13 @@ import torch.nn.functional as F
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.kernels.formats.quantize import dequantize_ref, quantize_ref
 from kvtune.kernels.formats.rotation import (
+    KVRotation,
     check_rotation,
     hadamard_matrix,
+    kv_rotation,
     randomized_hadamard,
     rotate,
     rotate_queries,
-    rotation_matrix,
     unrotate,
 )
 from tests.kernels.formats import engine_formats_ref as ref
@@ -45,7 +46,9 @@ def test_hadamard_matrix_matches_scipy() -> None:
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotation_is_orthonormal_and_follows_the_seed_rule(head_dim: int) -> None:
     """R = diag(s_l) H / sqrt(D), s_l = 2 * randint(0, 2) - 1 from a CPU generator seeded l."""
-    matrices = [rotation_matrix("hadamard", head_dim, layer).matrix for layer in range(4)]
+    rotations = [kv_rotation("hadamard", head_dim, layer) for layer in range(4)]
+    assert all(r.keys is r.values for r in rotations)  # K and V share R
+    matrices = [r.keys.matrix for r in rotations]
     sylvester = _sylvester(head_dim)
     for layer, matrix in enumerate(matrices):
         generator = torch.Generator().manual_seed(layer)
@@ -55,7 +58,8 @@ def test_rotation_is_orthonormal_and_follows_the_seed_rule(head_dim: int) -> Non
         assert torch.allclose(identity, torch.eye(head_dim, dtype=torch.float64), atol=1e-6)
     assert not torch.equal(matrices[0], matrices[1])
     assert torch.equal(matrices[2], randomized_hadamard(head_dim, 2))
-    assert rotation_matrix("none", head_dim, 0) is None
+    assert kv_rotation("none", head_dim, 0) == KVRotation()
+    assert kv_rotation("hadamard", head_dim, 0, quantized=(False, False)) == KVRotation()
 
 
 @pytest.mark.parametrize(("head_dim", "num_kv_heads", "group"), [(64, 2, 3), (128, 1, 4)])
@@ -68,17 +72,18 @@ def test_attention_is_unchanged_by_rotating_q_k_v_and_unrotating_the_output(
     k = torch.randn(1, num_kv_heads, tokens, head_dim, generator=generator) * 3
     v = torch.randn(1, num_kv_heads, tokens, head_dim, generator=generator)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    for name in ("hadamard", "vllm_rht"):
-        rotation = rotation_matrix(name, head_dim, layer=5)
+    for name in ("hadamard", "vllm_rht", "llamacpp"):
+        rotation = kv_rotation(name, head_dim, layer=5)
         rotated = F.scaled_dot_product_attention(
-            rotate_queries(q, rotation),
-            rotate(k, rotation),
-            rotate(v, rotation),
+            rotate_queries(q, rotation.keys),
+            rotate(k, rotation.keys),
+            rotate(v, rotation.values),
             is_causal=True,
             enable_gqa=True,
             scale=head_dim**-0.5,
         )
-        assert torch.allclose(unrotate(rotated, rotation), expected, atol=1e-5, rtol=1e-5), name
+        restored = unrotate(rotated, rotation.values)
+        assert torch.allclose(restored, expected, atol=1e-5, rtol=1e-5), name
 
 
 def test_rotation_shrinks_the_logit_error_of_keys_with_outlier_channels() -> None:
@@ -91,7 +96,7 @@ def test_rotation_shrinks_the_logit_error_of_keys_with_outlier_channels() -> Non
     keys = torch.randn(256, head_dim, generator=generator)
     keys[:, [5, 37]] *= 30
     queries = torch.randn(16, head_dim, generator=generator)
-    rotation = rotation_matrix("hadamard", head_dim, layer=0)
+    rotation = kv_rotation("hadamard", head_dim, layer=0).keys
 
     def stored(x: torch.Tensor) -> torch.Tensor:
         return dequantize_ref(*quantize_ref(x, fmt), fmt, None, head_dim)
@@ -106,7 +111,7 @@ def test_rotation_shrinks_the_logit_error_of_keys_with_outlier_channels() -> Non
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_vllm_rht_is_vllms_transform_with_its_block_gain(head_dim: int) -> None:
     # The oracle: the numpy reference written from vLLM's int4_per_token_head source.
-    rotation = rotation_matrix("vllm_rht", head_dim, layer=7)
+    rotation = kv_rotation("vllm_rht", head_dim, layer=7).values
     assert rotation.gain == {64: 64, 96: 32, 128: 128}[head_dim] and rotation.round_to_input
     x = torch.randn(5, head_dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     expected = ref.rht(x.numpy())
@@ -117,7 +122,7 @@ def test_vllm_rht_is_vllms_transform_with_its_block_gain(head_dim: int) -> None:
     np.testing.assert_allclose(
         ref.rht(expected, inverse=True) / rotation.gain, x, rtol=1e-13, atol=1e-12
     )
-    assert torch.equal(rotation.matrix, rotation_matrix("vllm_rht", head_dim, layer=0).matrix)
+    assert torch.equal(rotation.matrix, kv_rotation("vllm_rht", head_dim, layer=0).keys.matrix)
     bf16 = x.to(torch.bfloat16)
     assert torch.equal(rotate(bf16, rotation), rotate(bf16.float(), rotation).bfloat16().float())
 
@@ -126,7 +131,7 @@ def test_refuses_unknown_rotations_and_sizes_hadamard_cannot_rotate() -> None:
     with pytest.raises(ValueError, match="rotation='givens'"):
         check_rotation("givens", 64)
     with pytest.raises(ValueError, match="head_dim=96"):
-        rotation_matrix("hadamard", 96, 0)
+        kv_rotation("hadamard", 96, 0)
     with pytest.raises(ValueError, match="size=12"):
         hadamard_matrix(12)
     check_rotation("none", 96)

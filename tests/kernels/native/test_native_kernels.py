@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvtune.kernels.cache.pool import KVPool, read_blocks_into, read_vectors_ref, write_vectors_ref
+from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.kernels.native import build
 from kvtune.kernels.native.read_blocks import SOURCE, index_products_native, read_blocks_native
@@ -31,6 +32,12 @@ FORMATS = {
     "mxfp4_ties_away": KVFormat("fp4_ties_away", 32, "ue8m0"),
     "fp4_g16_token_pairs": KVFormat("fp4", 16, "fp16", token_group=2),
     "int8_symmetric_fp32": KVFormat("int8_symmetric", 64, "fp32"),
+    # llama.cpp's types whose codes fill whole bytes (5-bit codes take the torch path).
+    **{
+        f"{name}_g32": KVFormat(name, 32)
+        for name, element in ELEMENT_FORMATS.items()
+        if element.ggml_block and 8 % element.bits == 0
+    },
 }
 # No compiler here: the kernels cannot be built, and the tests that need them skip.
 needs_compiler = pytest.mark.skipif(
