@@ -130,13 +130,17 @@ def _covering_parameters(
     top, bottom = groups.amax(dim=-1), groups.amin(dim=-1)
     first = torch.maximum(top.abs(), bottom.abs()) * _FIRST_MARGIN + _SMALLEST_MARGIN
     margin = first
-    outermost = torch.full_like(values, float(levels[-1] if upward else levels[0]))
+    # Both end levels: a group's scale may be negative (ggml's q4_0 maps its largest magnitude
+    # to the level -8), so either end can be the outermost value on the chosen side.
+    ends = torch.stack([torch.full_like(values, float(levels[i])) for i in (0, -1)])
+    ends = fmt.element.encode(ends)
 
     def widened(margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(code units, scales, groups still short) of the groups widened by margin."""
         extremes = torch.stack((top + margin, bottom - margin), dim=-1)
         units, scales = quantize_groups_ref(torch.cat((groups, extremes), dim=-1), fmt)
-        reach = dequantize_ref(fmt.element.encode(outermost), scales, fmt, tensor_scale, head_dim)
+        both = dequantize_ref(ends, scales[None], fmt, tensor_scale, head_dim)
+        reach = both.amax(dim=0) if upward else both.amin(dim=0)
         short = (reach < values) if upward else (reach > values)
         return units[..., :size].flatten(-2), scales, short.unflatten(-1, (-1, size)).any(-1)
 
@@ -165,13 +169,22 @@ def _directed_codes(
     the chosen side, outward while its own is not; most are done at once (units come within a
     level of the answer: from the stored parameters or, TurboQuant's values, their fp32 forms)."""
     last = len(levels) - 1
-    step = 1 if upward else -1
-    if upward:
-        index = torch.searchsorted(levels, units.contiguous(), right=True) - 1
-    else:
-        index = torch.searchsorted(levels, units.contiguous())
-    index = index.clamp(0, last)
     stacked = None if scales is None else scales[None]
+    # +1 where a higher level reads back larger (a positive scale), -1 where smaller.
+    ends = torch.stack(
+        (torch.zeros_like(units, dtype=torch.long), torch.full_like(units, last).long())
+    )
+    read_ends = dequantize_ref(
+        fmt.element.encode(levels[ends]), stacked, fmt, tensor_scale, values.shape[-1]
+    )
+    ascending = read_ends[1] >= read_ends[0]
+    step = torch.where(ascending == upward, 1, -1)
+    units = units.contiguous()
+    index = torch.where(
+        step > 0,
+        torch.searchsorted(levels, units, right=True) - 1,
+        torch.searchsorted(levels, units),
+    ).clamp(0, last)
     while True:
         inner, outer = (index - step).clamp(0, last), (index + step).clamp(0, last)
         candidates = torch.stack((inner, index, outer))

@@ -30,8 +30,11 @@ from kvtune.kernels.selection.blocks import write_key_bounds
 from kvtune.runtime.calibration import tensor_scale
 from kvtune.runtime.kv_bytes import index_format
 from kvtune.runtime.policy import CSA_INDEX_DTYPES, INDEX_IN_LAYER_FORMAT
+from tests.kernels.formats.llamacpp_formats_ref import KVALUES_IQ4NL
 
 BLOCK, KV_HEADS, HEAD_DIM, BLOCKS = 16, 2, 64, 6
+# ggml-quants.c dequantize_row_q4_0 / q5_0: (q - 8) x d, (q - 16) x d.
+GGML_OFFSET = {"q4_0": 8, "q5_0": 16}
 LAYER_TENSOR_SCALE = 0.37  # not a power of two: its multiply rounds
 
 
@@ -135,13 +138,17 @@ def _check_bounds(held: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor) -> Non
 def _levels(fmt: KVFormat) -> torch.Tensor:
     """The values a code of fmt stands for, from each family's definition: E4M3 and E2M1 from
     ml_dtypes' float8_e4m3fn / float4_e2m1fn, int8_symmetric -128..127, the unsigned integer
-    codes 0..2^bits - 1."""
+    codes 0..2^bits - 1, llama.cpp's from ggml's dequantize_row_* (llamacpp_formats_ref)."""
     if fmt.dtype == "fp8":
         table = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     elif fmt.element.max_code == 6.0 and not fmt.zero_point:  # the E2M1 formats
         table = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    elif fmt.dtype == "int8_symmetric":
+    elif fmt.dtype in ("int8_symmetric", "q8_0"):
         table = np.arange(-128, 128, dtype=np.float32)
+    elif fmt.dtype in GGML_OFFSET:  # ggml's (q - offset) x d
+        table = np.arange(2**fmt.element.bits, dtype=np.float32) - GGML_OFFSET[fmt.dtype]
+    elif fmt.dtype == "iq4_nl":  # d x kvalues_iq4nl[q]
+        table = KVALUES_IQ4NL.astype(np.float32)
     else:
         assert fmt.zero_point, fmt
         table = np.arange(2**fmt.element.bits, dtype=np.float32)
