@@ -557,18 +557,25 @@ def test_export_writes_engine_configs_and_reloads(source, studies, tmp_path):
     assert vllm["block-size"] == policy.block_size
     assert vllm["max-model-len"] == setup.serve.max_model_len
     assert vllm["max-num-seqs"] >= 1
+    # The engines' host pools are asked for where the host tier holds a block at the context.
+    context = setup.serve.expected_context_len or setup.serve.max_model_len
+    older = (context - policy.csa_sinks - policy.csa_window) // policy.block_size
+    offloads = policy.csa_host and older > 0
+    assert (vllm.get("kv-offloading-backend") == "native") == offloads
+    assert (vllm.get("kv-offloading-size", 0) > 0) == offloads
     lines = (tmp_path / "sglang.args").read_text().splitlines()
-    options = dict(line.split(" ", 1) for line in lines)
+    options = dict((*line.split(" ", 1), "")[:2] for line in lines)  # a flag has no value
     assert options["--kv-cache-dtype"] in engine_dtypes("sglang")
     assert options["--page-size"] == str(policy.block_size)
     assert options["--chunked-prefill-size"] == str(policy.chunk_size)
+    assert ("--enable-hierarchical-cache" in options) == offloads
+    assert int(options.get("--hicache-size", 0)) >= offloads
     lines = (tmp_path / "llama-server.args").read_text().splitlines()
     options = dict(line.split(" ", 1) for line in lines)
     types = llamacpp_types()
     quantized_v = types[options["--cache-type-v"]]
     assert options["--cache-type-k"] in types
     assert options.get("--flash-attn") == ("on" if quantized_v else None)
-    context = setup.serve.expected_context_len or setup.serve.max_model_len
     slot = -(-context // LLAMACPP_CONTEXT_PAD) * LLAMACPP_CONTEXT_PAD
     assert int(options["--ctx-size"]) == int(options["--parallel"]) * slot
     notes = (tmp_path / "NOTES.md").read_text()

@@ -1,5 +1,7 @@
 """Picking a trial and mapping its policy onto vLLM, SGLang and llama-server options."""
 
+import dataclasses
+import math
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,7 @@ VLLM_KEYS = {
     "max-model-len",
     "gpu-memory-utilization",
 }
+VLLM_OFFLOAD_KEYS = {"kv-offloading-size", "kv-offloading-backend"}  # CacheConfig, for a host tier
 SGLANG_OPTIONS = {
     "--kv-cache-dtype",
     "--page-size",
@@ -451,6 +454,43 @@ def test_export_serves_the_cheapest_engine_preset_measured_at_least_as_accurate(
     ) in notes
     assert "| `sglang/nvfp4` | 9 | 0.900 | 1.000 |" in notes
     assert "| this policy | 4 | 0.950 | - |" in notes
+
+
+def test_a_host_tier_exports_the_engines_prefix_offloading_sized_to_its_host_memory(tmp_path):
+    # Units from the engines' sources: vLLM's kv_offloading_size is GiB (x 2^30 bytes, a
+    # float), SGLang's hicache_size whole GB (x 10^9 bytes).
+    setup = smollm_chat_setup()
+    context = 4096
+    setup = dataclasses.replace(
+        setup, serve=ServeSettings(max_model_len=8192, expected_context_len=context)
+    )
+    device = build_device(preset("device", "h200-141gb"))
+    policy = KVPolicy("fp8", "fp8", group_size="tensor", csa_ratio=8, csa_topk=8, csa_host=True)
+    trial = TrialRecord(2, "COMPLETE", policy, {"accuracy_retention": 0.97}, True, None, None)
+    write_export(tmp_path, trial, setup, device, "s", "knee")
+    vllm = yaml.safe_load((tmp_path / "vllm.yaml").read_text())
+    sglang = (tmp_path / "sglang.args").read_text().splitlines()
+    running = int(next(line for line in sglang if line.startswith("--max-running-")).split()[1])
+    # The host tier holds every block older than the sinks and the window, exact, in every
+    # layer: SmolLM2's 30 layers x 3 KV heads x 64 dims x (K, V), 1 B an fp8 element.
+    older_blocks = (context - policy.csa_sinks - policy.csa_window) // policy.block_size
+    per_sequence = older_blocks * policy.block_size * 30 * 3 * 64 * 2
+    assert set(vllm) <= VLLM_KEYS | VLLM_OFFLOAD_KEYS
+    assert vllm["kv-offloading-backend"] == "native"
+    gib = vllm["max-num-seqs"] * per_sequence / 2**30
+    assert gib <= vllm["kv-offloading-size"] < gib + 0.01
+    gb = running * per_sequence / 1e9
+    assert sglang[-2:] == ["--enable-hierarchical-cache", f"--hicache-size {math.ceil(gb)}"]
+    notes = (tmp_path / "NOTES.md").read_text()
+    assert "## Nearest settings for the host tier" in notes
+    assert f"- vLLM: kv-offloading-size {vllm['kv-offloading-size']} (GiB)" in notes
+    assert "no concurrency is gained" in notes and "only for DeepSeek sparse-attention" in notes
+    # Without a host tier nothing is offloaded.
+    plain = TrialRecord(3, "COMPLETE", KVPolicy(), {"accuracy_retention": 1.0}, True, None, None)
+    write_export(tmp_path / "plain", plain, setup, device, "s", "knee")
+    assert not set(yaml.safe_load((tmp_path / "plain" / "vllm.yaml").read_text())) - VLLM_KEYS
+    assert "hicache" not in (tmp_path / "plain" / "sglang.args").read_text()
+    assert "host tier" not in (tmp_path / "plain" / "NOTES.md").read_text()
 
 
 # llama-server's options an export may write, and the cache types it accepts (llama.cpp

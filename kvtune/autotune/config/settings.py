@@ -75,6 +75,12 @@ class ServeSettings:
         if expected is not None and (not isinstance(expected, int) or expected <= 0):
             raise ConfigError("serve.expected_context_len", expected, "a positive integer or null")
 
+    @property
+    def typical_context_len(self) -> int:
+        """The context a typical request has (tokens): expected_context_len where the workload
+        gives one, else max_model_len. Engine configs are sized for it."""
+        return self.expected_context_len or self.max_model_len
+
 
 def _plain(node: Any) -> dict[str, Any]:
     return (

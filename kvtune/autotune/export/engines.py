@@ -29,6 +29,12 @@ import yaml
 from kvtune.autotune.config.engine_presets import ENGINES
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
 from kvtune.autotune.export.exact_presets import LLAMACPP, ExactPreset, exact_preset
+from kvtune.autotune.export.host_tier import (
+    host_tier_bytes,
+    host_tier_notes,
+    sglang_hicache,
+    vllm_offloading,
+)
 from kvtune.autotune.export.llamacpp import (
     MAX_SLOTS,
     exact_source,
@@ -258,7 +264,7 @@ def _capacity(
 ) -> CapacityRow:
     """Capacity at the workload's typical context (expected_context_len)."""
     at_context = ServeSettings(
-        max_model_len=serve.expected_context_len or serve.max_model_len,
+        max_model_len=serve.typical_context_len,
         gpu_memory_utilization=serve.gpu_memory_utilization,
         activation_reserve_gib=serve.activation_reserve_gib,
     )
@@ -519,10 +525,12 @@ def notes_markdown(
     llamacpp: EngineMapping,
     study_name: str,
     pick: str,
+    host_bytes: dict[str, int],
     records: Sequence[TrialRecord] = (),
 ) -> str:
     """NOTES.md: the picked trial's numbers, the gaps per engine (vLLM and SGLang, then
-    llama.cpp), the engine formats the study measured, the capacity tables."""
+    llama.cpp), the engines' nearest host-tier settings (host_bytes: per engine, the host
+    memory its config asks for), the engine formats the study measured, the capacity tables."""
     policy = record.policy
     assert policy is not None
     arch = setup.arch
@@ -563,6 +571,9 @@ def notes_markdown(
     for name, mapping in engines.items():
         lines += _engine_lines(name, mapping, record, setup)
     lines += _llamacpp_lines(llamacpp, record, setup)
+    host = host_tier_notes(policy, host_bytes, serve.typical_context_len)
+    if host:
+        lines += ["", "## Nearest settings for the host tier", "", *host]
     lines += _measured_presets_table(record, records, setup)
     lines += [
         "",
@@ -636,20 +647,28 @@ def write_export(
     }
     llamacpp = nearest_measured(llamacpp_mapping(policy, arch), record, records, arch, LLAMACPP)
     capacity = {name: engine_max_num_seqs(arch, m, device, serve) for name, m in engines.items()}
+    host_bytes = {
+        name: host_tier_bytes(arch, policy, serve, seqs) for name, seqs in capacity.items()
+    }
     slots = server_slots(arch, llamacpp.equivalent, device, serve)
     folder.mkdir(parents=True, exist_ok=True)
     header = f"# kvtune policy: study {study_name}, pick {pick}, trial {record.number}\n"
     files = {
         "kvtune.yaml": header + policy.to_yaml(),
         "vllm.yaml": yaml.safe_dump(
-            vllm_config(policy, engines["vLLM"], serve, capacity["vLLM"]), sort_keys=False
+            vllm_config(policy, engines["vLLM"], serve, capacity["vLLM"])
+            | vllm_offloading(host_bytes["vLLM"]),
+            sort_keys=False,
         ),
-        "sglang.args": "\n".join(sglang_args(policy, engines["SGLang"], serve, capacity["SGLang"]))
+        "sglang.args": "\n".join(
+            sglang_args(policy, engines["SGLang"], serve, capacity["SGLang"])
+            + sglang_hicache(host_bytes["SGLang"])
+        )
         + "\n",
         "llama-server.args": "\n".join(llama_server_args(llamacpp.equivalent, arch, slots, serve))
         + "\n",
         "NOTES.md": notes_markdown(
-            record, setup, device, serve, engines, llamacpp, study_name, pick, records
+            record, setup, device, serve, engines, llamacpp, study_name, pick, host_bytes, records
         ),
     }
     paths = []

@@ -120,7 +120,7 @@ def exact_source(exact: LlamaCppTypes) -> str:
 def slot_context(serve: ServeSettings) -> int:
     """Tokens a slot holds: the workload's context (its typical one where given) rounded up to
     llama.cpp's multiple of 256."""
-    tokens = serve.expected_context_len or serve.max_model_len
+    tokens = serve.typical_context_len
     return math.ceil(tokens / CONTEXT_PAD) * CONTEXT_PAD
 
 

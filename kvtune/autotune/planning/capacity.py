@@ -239,7 +239,7 @@ def advice(
             f"The KV budget {_gib(budget)} is below one {serve.max_model_len}-token sequence "
             f"({_gib(row.allocated_bytes(1))}): lower serve.max_model_len, quantize or compress."
         )
-    context = serve.expected_context_len or serve.max_model_len
+    context = serve.typical_context_len
     if policy.compressed and context < CSA_USEFUL_CONTEXT:
         notes.append(
             f"CSA (csa_ratio={policy.csa_ratio}) on {context}-token contexts: below ~32K it saves "
