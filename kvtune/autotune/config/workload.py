@@ -63,6 +63,10 @@ class TraceRequest:
     output_tokens: int
 
 
+# Fields a workload preset may leave out (their dataclass defaults apply).
+OPTIONAL_FIELDS = frozenset({"suite"})
+
+
 @dataclass(frozen=True)
 class Workload:
     """Where a study measures.
@@ -74,6 +78,9 @@ class Workload:
     decode_tokens: tokens each of them generates while TPOT is timed.
     trace_requests, arrival_rate, seed: size, Poisson rate (requests/s) and seed of the P99
         trace (one seed: every trial replays the same requests).
+    suite: the accuracy suite (conf/eval/<suite>.yaml) whose contexts match this traffic's, so
+        a study judges accuracy at the lengths it measures bytes and latency at; a study's
+        `eval=` overrides it. Studies stored before workloads named one read `quick`.
     """
 
     name: str
@@ -86,8 +93,11 @@ class Workload:
     trace_requests: int
     arrival_rate: float
     seed: int
+    suite: str = "quick"
 
     def __post_init__(self) -> None:
+        if not isinstance(self.suite, str) or not self.suite:
+            raise ConfigError("workload.suite", self.suite, "a suite preset name (conf/eval)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ConfigError("workload.seed", self.seed, "an integer")
         for field in ("context_len", "max_model_len", "batch", "trace_requests"):
@@ -117,7 +127,7 @@ class Workload:
         for key in data:
             if key not in fields:
                 raise ConfigError(f"workload.{key}", data[key], "unknown field")
-        for key in fields:
+        for key in fields - OPTIONAL_FIELDS:
             if data.get(key) is None:
                 raise ConfigError(f"workload.{key}", None, "a value (missing)")
         values = dict(data)

@@ -160,21 +160,32 @@ def _digest(data: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def suite_presets() -> list[str]:
+    """The names of the suite presets (conf/eval/<name>.yaml)."""
+    return sorted(path.stem for path in PRESET_DIR.glob("*.yaml"))
+
+
+def suite_fields(suite: str | Path, field: str = "eval") -> dict[str, Any]:
+    """The fields a preset name (conf/eval/<name>.yaml) or a YAML path sets, unvalidated;
+    field: what a bad name is reported as."""
+    path = Path(suite)
+    if not path.suffix:
+        path = PRESET_DIR / f"{suite}.yaml"
+        if not path.is_file():
+            presets = ", ".join(suite_presets())
+            raise ConfigError(field, str(suite), f"a preset ({presets}) or a YAML file")
+    if not path.is_file():
+        raise ConfigError(field, str(suite), "a preset name or an existing YAML file")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(field, str(suite), "a YAML mapping of suite fields")
+    return dict(data)
+
+
 def load_suite(suite: EvalSuite | Mapping[str, Any] | str | Path) -> EvalSuite:
     """A suite from itself, a dict, a preset name (conf/eval/<name>.yaml) or a YAML path."""
     if isinstance(suite, EvalSuite):
         return suite
     if isinstance(suite, Mapping):
         return EvalSuite.from_dict(suite)
-    path = Path(suite)
-    if not path.suffix:
-        path = PRESET_DIR / f"{suite}.yaml"
-        if not path.is_file():
-            presets = ", ".join(sorted(p.stem for p in PRESET_DIR.glob("*.yaml")))
-            raise ConfigError("eval", str(suite), f"a preset ({presets}) or a YAML file")
-    if not path.is_file():
-        raise ConfigError("eval", str(suite), "a preset name or an existing YAML file")
-    data = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(data, Mapping):
-        raise ConfigError("eval", str(suite), "a YAML mapping of suite fields")
-    return EvalSuite.from_dict(data)
+    return EvalSuite.from_dict(suite_fields(suite))

@@ -57,16 +57,25 @@ def plain(node: Any) -> Any:
 def recipe_from_config(cfg: DictConfig, command_line: Iterable[str]) -> dict[str, Any]:
     """The recipe of `kvtune tune`'s composed config (the model's arch resolved once, here)."""
     for key in RECIPE_KEYS:
-        if key != "arch" and key not in cfg:
+        if key not in ("arch", "eval") and key not in cfg:
             raise ConfigError(key, None, "a config group or block (missing)")
     arch = build_model_arch(cfg.model, command_line)
-    recipe = {key: plain(cfg[key]) for key in RECIPE_KEYS if key != "arch"}
+    recipe = {key: plain(cfg[key]) for key in RECIPE_KEYS if key not in ("arch", "eval")}
+    recipe["eval"] = plain(cfg.eval) if cfg.get("eval") else workload_suite(recipe["workload"])
     recipe["arch"] = dataclasses.asdict(arch)
     runtime = recipe["runtime"]
     if isinstance(runtime, Mapping) and "dtype" in runtime:  # one spelling in the stored recipe
         dtype = compute_dtype_name(runtime["dtype"], arch.dtype, field="runtime.dtype")
         recipe["runtime"] = {**runtime, "dtype": dtype}
     return recipe
+
+
+def workload_suite(workload: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of the suite preset a workload names: the recipe's eval block when the
+    command line sets no eval= (validated with the study's model in build_setup)."""
+    from kvtune.autotune.evaluation.suite import suite_fields
+
+    return suite_fields(Workload.from_dict(workload).suite, field="workload.suite")
 
 
 def recipe_differences(stored: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
