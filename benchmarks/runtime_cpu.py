@@ -1,14 +1,16 @@
-"""kvtune's runtime against transformers on the same model, dtype and thread count.
+"""kvtune's decode step against transformers' on the same model, dtype, prompts and threads.
 
-Prefill and decode tokens/s at batch 1 and 8 for contexts 512 and 2048, for the kvtune engine
-(torch backend, `auto` KV cache, chunked prefill) and for transformers (dynamic cache, SDPA).
-Prefill: `generate` of one token. Decode: `--steps` steps of the whole batch timed on their
-own after its prefill (kvtune: engine steps with every sequence decoding; transformers:
-single-token forwards on its cache, the loop inside `generate`). Timings are medians of
---repeats runs in this one process; the table reports kvtune / transformers ratios (target
->= 1.0).
+For each batch x context shape both engines prefill the same random prompts once (kvtune: the
+engine with an `auto` KV cache, torch backend, chunked prefill; transformers: one forward on
+its dynamic cache with SDPA, logits of the last position only), then take turns: --steps
+decode steps of the whole batch timed on one engine, then on the other (the first engine
+alternates from pair to pair), --pairs times. Each pair gives one ratio, kvtune's time per
+step over transformers'; the table shows every pair's ratio, their mean and the largest
+(target: <= 1.0, and <= 0.8 at 8K where attention dominates). Contexts grow by
+pairs x steps tokens while timed, the same for both engines.
 
-    .venv/bin/python -m benchmarks.runtime_cpu [--quick] [--device cuda]
+    .venv/bin/python -m benchmarks.runtime_cpu [--shapes 1x512,8x512,1x4096,8x4096,1x8192]
+        [--pairs 6] [--steps 8] [--markdown]
 """
 
 from __future__ import annotations
@@ -16,18 +18,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from transformers import AutoModelForCausalLM
 
 from benchmarks.decoding import finish_running, start_decoding
+from benchmarks.tables import print_rows
 from kvtune.runtime import LLM, KVPolicy
 from kvtune.runtime.model_source import resolve_model
 
 MODEL = "smollm2-135m"
-DECODE_HEADROOM = 32  # tokens a sequence may decode beyond the timed steps
+DEFAULT_SHAPES = "1x512,8x512,1x4096,8x4096,1x8192"
 
 
 def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
@@ -35,116 +38,105 @@ def prompts(batch: int, context: int, vocab: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (batch, context), generator=generator).tolist()
 
 
-def median_seconds(run, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - started)
-    return statistics.median(samples)
+def kvtune_stepper(llm: LLM, batch_prompts: list[list[int]], total_steps: int) -> Callable:
+    """Prefill the batch in kvtune's engine; the returned function times `steps` decode steps
+    of the whole batch (seconds)."""
+    engine = llm.engine
+    start_decoding(engine, batch_prompts, total_steps + 1)
 
-
-def kvtune_times(llm: LLM, batch_prompts, steps: int, repeats: int) -> tuple[float, float]:
-    """(seconds of prefill + first token, seconds of `steps` decode steps of the whole batch)."""
-
-    def prefill():
-        results = llm.generate(batch_prompts, max_new_tokens=1)
-        assert all(len(r.token_ids) == 1 for r in results), "stopped early"
-
-    def decode() -> float:
-        engine = llm.engine
-        start_decoding(engine, batch_prompts, steps + DECODE_HEADROOM)
+    def timed(steps: int) -> float:
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        elapsed = time.perf_counter() - started
-        finish_running(engine)
-        return elapsed
-
-    return median_seconds(prefill, repeats), statistics.median(decode() for _ in range(repeats))
-
-
-def transformers_times(model, batch_prompts, steps: int, repeats: int) -> tuple[float, float]:
-    """(seconds of `generate` for one token, seconds of `steps` single-token forwards on its
-    dynamic cache: the decode loop of `generate` without its per-step bookkeeping)."""
-    ids = torch.tensor(batch_prompts, device=model.device)
-    mask = torch.ones_like(ids)
-
-    def prefill():
-        with torch.no_grad():
-            model.generate(
-                ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0
-            )
-
-    @torch.no_grad()
-    def decode() -> float:
-        out = model(ids, attention_mask=mask, use_cache=True)
-        cache, attention_mask = out.past_key_values, mask
-        next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
-        started = time.perf_counter()
-        for _ in range(steps):
-            attention_mask = torch.cat((attention_mask, torch.ones_like(next_ids)), dim=1)
-            out = model(
-                next_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True
-            )
-            cache, next_ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         return time.perf_counter() - started
 
-    return median_seconds(prefill, repeats), statistics.median(decode() for _ in range(repeats))
+    return timed
+
+
+def transformers_stepper(model, batch_prompts: list[list[int]]) -> Callable:
+    """Prefill the batch on transformers' dynamic cache; the returned function times `steps`
+    single-token forwards of the whole batch (the decode loop of `generate` without its
+    per-step bookkeeping)."""
+    ids = torch.tensor(batch_prompts, device=model.device)
+    state = {"mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        out = model(ids, attention_mask=state["mask"], use_cache=True, logits_to_keep=1)
+    state["cache"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1, True)
+
+    @torch.no_grad()
+    def timed(steps: int) -> float:
+        started = time.perf_counter()
+        for _ in range(steps):
+            state["mask"] = torch.cat((state["mask"], torch.ones_like(state["next"])), dim=1)
+            out = model(
+                state["next"],
+                attention_mask=state["mask"],
+                past_key_values=state["cache"],
+                use_cache=True,
+            )
+            state["cache"], state["next"] = out.past_key_values, out.logits[:, -1].argmax(-1, True)
+        return time.perf_counter() - started
+
+    return timed
+
+
+def paired_ratios(ours: Callable, theirs: Callable, pairs: int, steps: int) -> list[tuple]:
+    """(kvtune s/step, transformers s/step) of each pair, the first engine alternating."""
+    runs = []
+    for pair in range(pairs):
+        if pair % 2 == 0:
+            mine, other = ours(steps), theirs(steps)
+        else:
+            other, mine = theirs(steps), ours(steps)
+        runs.append((mine / steps, other / steps))
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="fewer tokens and repeats")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps timed")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="batch x context, comma-separated")
+    parser.add_argument("--pairs", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8, help="decode steps timed a run")
+    parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    steps, repeats = (8, 1) if args.quick else (args.steps, args.repeats)
-    shapes = [(1, 512), (8, 512), (1, 2048), (8, 2048)]
-
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    longest = max(context for _, context in shapes) + args.pairs * args.steps + 2
     folder = resolve_model(MODEL)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device).eval()
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm = LLM(
         MODEL,
         policy=KVPolicy("auto", "auto"),
-        device=args.device,
-        max_model_len=2048 + steps + DECODE_HEADROOM,
-        max_num_seqs=8,
+        max_model_len=longest,
+        max_num_seqs=max(batch for batch, _ in shapes),
         max_num_batched_tokens=2048,
     )
-    table = Table(
-        title=f"kvtune vs transformers, {MODEL}, fp32, {args.device}, "
-        f"{torch.get_num_threads()} threads, {steps} decode steps, median of {repeats}"
-    )
-    for column in (
-        "batch",
-        "context",
-        "prefill tok/s kvtune",
-        "prefill tok/s hf",
-        "ratio",
-        "decode tok/s kvtune",
-        "decode tok/s hf",
-        "ratio",
-    ):
-        table.add_column(column, justify="right")
+    headers = ["batch", "context", "kvtune ms/step", "transformers ms/step"]
+    headers += ["ratio, mean", "ratio, largest", "every pair"]
+    lines = []
     for batch, context in shapes:
         batch_prompts = prompts(batch, context, hf.config.vocab_size)
-        ours = kvtune_times(llm, batch_prompts, steps, repeats)
-        theirs = transformers_times(hf, batch_prompts, steps, repeats)
-        prefill = [batch * context / t[0] for t in (ours, theirs)]
-        decode = [batch * steps / t[1] for t in (ours, theirs)]
-        table.add_row(
-            str(batch),
-            str(context),
-            f"{prefill[0]:.0f}",
-            f"{prefill[1]:.0f}",
-            f"{prefill[0] / prefill[1]:.2f}",
-            f"{decode[0]:.1f}",
-            f"{decode[1]:.1f}",
-            f"{decode[0] / decode[1]:.2f}",
+        ours = kvtune_stepper(llm, batch_prompts, args.pairs * args.steps)
+        theirs = transformers_stepper(hf, batch_prompts)
+        runs = paired_ratios(ours, theirs, args.pairs, args.steps)
+        finish_running(llm.engine)
+        ratios = [mine / other for mine, other in runs]
+        lines.append(
+            [
+                str(batch),
+                str(context),
+                f"{1000 * statistics.mean(m for m, _ in runs):.1f}",
+                f"{1000 * statistics.mean(o for _, o in runs):.1f}",
+                f"{statistics.mean(ratios):.2f}",
+                f"{max(ratios):.2f}",
+                " ".join(f"{r:.2f}" for r in ratios),
+            ]
         )
-    Console().print(table)
+        print(" | ".join(lines[-1]), flush=True)
+    print(
+        f"kvtune / transformers decode step, {MODEL}, fp32, {torch.get_num_threads()} threads, "
+        f"{args.steps} steps a run, {args.pairs} pairs"
+    )
+    print_rows(headers, lines, args.markdown, Console())
 
 
 if __name__ == "__main__":

@@ -16,13 +16,15 @@ a pair of its own) and its post-RoPE keys. Every (layer, KV head) then ranks the
   index without loss would rank by), `bounds /n` (Quest's upper bound of q.k from the
   per-channel max and min of keys, over n-token sub-blocks, block score the largest), `mean
   key` (q.mean of the block's post-RoPE keys: one vector a block, half the bounds' bytes) and
-  `bounds, 2k rescored` (the 2 * topk best by bounds, reordered by exact max: what fetching
-  those candidates' exact keys each step would give). A KV head scores a block by the largest
-  over its query heads. Rows whose answer lies in the sinks or window are skipped.
+  `bounds, 2k rescored` and `4k rescored` (the 2 or 4 * topk best by bounds, reordered by
+  exact max: what fetching those candidates' exact keys each step would give). A KV head
+  scores a block by the largest over its query heads. Rows whose answer lies in the sinks or
+  window are skipped.
 It bounds what sharper scoring could give before any of it is built: the runtime's own choice
 (quantized index) is `benchmarks.selection_recall`.
 
-    .venv/bin/python -m benchmarks.selection_scoring [--task passkey] [--contexts 3072,7168]
+    .venv/bin/python -m benchmarks.selection_scoring [--model smollm2-135m] [--task passkey]
+        [--contexts 3072,7168]
         [--docs 3] [--questions 1] [--seed 5] [--topk 80] [--block-size 16] [--sinks 16]
         [--window 256] [--through-answer]
 """
@@ -68,13 +70,13 @@ def mean_key(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum("hgd,hbd->hgb", queries, keys.mean(dim=2)).amax(dim=1)
 
 
-def rescored(topk: int) -> Rule:
-    """The 2 * topk best blocks by whole-block bounds, reordered by exact max (the others below
-    every candidate)."""
+def rescored(topk: int, factor: int) -> Rule:
+    """The factor * topk best blocks by whole-block bounds, reordered by exact max (the others
+    below every candidate)."""
 
     def score(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         by_bounds = bounds(keys.shape[2])(queries, keys)
-        candidates = by_bounds.topk(min(2 * topk, by_bounds.shape[-1]), dim=-1).indices
+        candidates = by_bounds.topk(min(factor * topk, by_bounds.shape[-1]), dim=-1).indices
         exact = exact_max(queries, keys).gather(-1, candidates)
         return torch.full_like(by_bounds, -math.inf).scatter(-1, candidates, exact)
 
@@ -119,12 +121,14 @@ def rules(topk: int) -> dict[str, Rule]:
         "bounds /8": bounds(8),
         "bounds /4": bounds(4),
         "mean key": mean_key,
-        "bounds, 2k rescored": rescored(topk),
+        "bounds, 2k rescored": rescored(topk, 2),
+        "bounds, 4k rescored": rescored(topk, 4),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="a model preset or folder")
     parser.add_argument("--task", default="passkey", choices=["passkey", "multikey"])
     parser.add_argument("--contexts", default="3072,7168")
     parser.add_argument("--docs", type=int, default=3)
@@ -140,7 +144,7 @@ def main() -> None:
         help="score at every teacher-forced answer token, not only where the answer starts",
     )
     args = parser.parse_args()
-    folder = resolve_model("smollm2-135m")
+    folder = resolve_model(args.model)
     tokenizer = Tokenizer.from_folder(folder)
     model = DecoderModel.from_checkpoint(folder, dtype="fp32")
     num_kv_heads = model.config.num_kv_heads
