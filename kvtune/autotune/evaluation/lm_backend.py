@@ -28,6 +28,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from kvtune.autotune.evaluation.prefill_plan import share_prefixes, token_batches
+from kvtune.autotune.evaluation.shared_generation import cut_at_stops, greedy_generate
 from kvtune.runtime.llm import LLM, as_policy
 from kvtune.runtime.policy import KVPolicy
 
@@ -245,8 +246,9 @@ class KVTuneLM(TemplateLM):
         return logprob, greedy
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
-        """Greedy (or sampled) continuations cut at the first `until` string, batched through
-        the engine per distinct set of generation arguments."""
+        """Continuations cut at the first `until` string, batched through the engine per
+        distinct set of generation arguments; greedy ones share the prefill of prompts that
+        extend one another (shared_generation.py), sampled ones run one prompt each."""
         groups: dict[str, list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
             groups[json.dumps(request.args[1], sort_keys=True)].append(index)
@@ -262,11 +264,12 @@ class KVTuneLM(TemplateLM):
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             contexts = [requests[i].args[0] for i in indices]
             prompts = [self.tok_encode(c)[-(self.max_length - max_new) :] for c in contexts]
-            generations = self.llm.generate(prompts, max_new, temperature)
-            for index, generation in zip(indices, generations, strict=True):
-                text = generation.text
-                for stop in until:
-                    text = text.split(stop)[0] if stop else text
+            if temperature == 0:
+                outputs = greedy_generate(self.llm, prompts, max_new, until).token_ids
+            else:
+                outputs = [g.token_ids for g in self.llm.generate(prompts, max_new, temperature)]
+            for index, output in zip(indices, outputs, strict=True):
+                text = cut_at_stops(self.tokenizer.decode(output), until)
                 results[index] = text
                 self.cache_hook.add_partial("generate_until", requests[index].args, text)
         return results

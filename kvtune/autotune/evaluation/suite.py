@@ -16,31 +16,56 @@ from typing import Any
 
 import yaml
 
+from kvtune.runtime.arch import arch_from_folder
 from kvtune.runtime.errors import ConfigError
 
-PRESET_DIR = Path(__file__).resolve().parents[3] / "conf" / "eval"
+CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
+PRESET_DIR = CONF_DIR / "eval"
+MODEL_PRESET_DIR = CONF_DIR / "model"
 TASK_NAMES: tuple[str, ...] = (
     "wiki_ppl",
     "passkey",
     "multikey",
     "codes",
     "doc_mcq",
-    "needle_greedy",
+    "passkey_greedy",
+    "multikey_greedy",
+    "codes_greedy",
 )
-# SmolLM2's context; longer suites need a model with a longer one.
-MAX_CONTEXT_TOKENS = 8192
+MIN_CONTEXT_TOKENS = 256
 
 
 def _field(name: str) -> str:
     return f"eval.{name}"
 
 
-def _check_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
-    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
-    if bad or (maximum is not None and value > maximum):
-        allowed = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum else "")
-        raise ConfigError(_field(name), value, allowed)
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(_field(name), value, f"an integer >= {minimum}")
     return value
+
+
+def model_max_positions(model: str) -> int:
+    """The positions a suite's model was trained on (tokens): max_position_embeddings of its
+    preset (conf/model/<model>.yaml), or of a local folder's config.json."""
+    preset = MODEL_PRESET_DIR / f"{model}.yaml"
+    if preset.is_file():
+        return int(yaml.safe_load(preset.read_text())["max_position_embeddings"])
+    if Path(model).expanduser().is_dir():
+        return arch_from_folder(model).max_position_embeddings
+    presets = ", ".join(sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml")))
+    raise ConfigError(_field("model"), model, f"a model preset ({presets}) or a local folder")
+
+
+def _check_context(name: str, value: object, model: str) -> int:
+    """A haystack length: at least MIN_CONTEXT_TOKENS, at most the model's positions."""
+    tokens = _check_int(name, value, MIN_CONTEXT_TOKENS)
+    limit = model_max_positions(model)
+    if tokens > limit:
+        raise ConfigError(
+            _field(name), tokens, f"at most {model}'s max_position_embeddings ({limit} tokens)"
+        )
+    return tokens
 
 
 @dataclass(frozen=True)
@@ -51,7 +76,7 @@ class TaskSize:
     questions: questions asked about each haystack, one chat turn each; later turns extend the
         same prompt, so they share its prefill pass.
     context_tokens: this task's haystack length (tokens) when it differs from the suite's
-        (the greedy needle runs at >= 4K where the other tasks run at 2K); None = the suite's.
+        (a greedy task may run longer than the rest); None = the suite's.
     """
 
     docs: int
@@ -88,7 +113,7 @@ class EvalSuite:
 
     def __post_init__(self) -> None:
         _check_int("seed", self.seed, 0)
-        _check_int("context_tokens", self.context_tokens, 256, MAX_CONTEXT_TOKENS)
+        _check_context("context_tokens", self.context_tokens, self.model)
         _check_int("kl_tail_tokens", self.kl_tail_tokens, 0)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if not self.tasks:
@@ -97,7 +122,7 @@ class EvalSuite:
         for name, size in self.tasks.items():
             if name not in TASK_NAMES:
                 raise ConfigError(_field(f"tasks.{name}"), size, f"a task: {', '.join(TASK_NAMES)}")
-            sizes[name] = _task_size(name, size)
+            sizes[name] = _task_size(name, size, self.model)
         object.__setattr__(self, "tasks", sizes)
         longest = max([self.context_tokens] + [s.context_tokens or 0 for s in sizes.values()])
         _check_int("batch_tokens", self.batch_tokens, longest)
@@ -135,7 +160,7 @@ class EvalSuite:
         return _digest({k: v for k, v in self.to_dict().items() if k != "name"})
 
 
-def _task_size(name: str, size: object) -> TaskSize:
+def _task_size(name: str, size: object, model: str) -> TaskSize:
     if isinstance(size, TaskSize):
         values = dataclasses.asdict(size)
     elif isinstance(size, Mapping):
@@ -151,7 +176,7 @@ def _task_size(name: str, size: object) -> TaskSize:
     questions = _check_int(f"tasks.{name}.questions", values.get("questions", 1), 1)
     context = values.get("context_tokens")
     if context is not None:
-        _check_int(f"tasks.{name}.context_tokens", context, 256, MAX_CONTEXT_TOKENS)
+        _check_context(f"tasks.{name}.context_tokens", context, model)
     return TaskSize(docs, questions, context)
 
 

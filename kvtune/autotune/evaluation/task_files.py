@@ -22,7 +22,7 @@ import yaml
 
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS, GenContext
-from kvtune.autotune.evaluation.tasks.needle_greedy import MAX_GEN_TOKENS, STOP
+from kvtune.autotune.evaluation.tasks.greedy import MAX_GEN_TOKENS, STOP
 from kvtune.runtime.fingerprint import code_fingerprint
 from kvtune.runtime.tokenizer import Tokenizer
 

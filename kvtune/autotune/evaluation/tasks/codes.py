@@ -139,6 +139,18 @@ def _chat(number: int, opening: str, fillers: list[str], closing: str) -> str:
 
 
 def draw(context: GenContext, doc: int, size: TaskSize) -> Conversation:
+    """Questions alternate between an order number and another customer's refund."""
+    return draw_asking(context, size, refunds=True)
+
+
+def draw_orders(context: GenContext, doc: int, size: TaskSize) -> Conversation:
+    """Order numbers only: digits that end at a full stop, so a generated answer is cut
+    where the number ends (a refund's decimal point would cut it)."""
+    return draw_asking(context, size, refunds=False)
+
+
+def draw_asking(context: GenContext, size: TaskSize, refunds: bool) -> Conversation:
+    """One transcript; refunds: every second question asks a refund, not an order number."""
     rng = context.rng
     count = max(MIN_CHATS, size.questions)
     names = [
@@ -155,24 +167,27 @@ def draw(context: GenContext, doc: int, size: TaskSize) -> Conversation:
         openings.append(f"Customer: Hi, I am {name}, order number {order}. My {product} {problem}.")
     for name, amount in zip(names, amounts, strict=True):
         closings.append(f"Agent: Done, {name} was refunded ${amount}. {rng.choice(AGENT_LINES)}")
+    # Shuffled, so that the asked chats sit anywhere in the transcript.
+    order = rng.sample(range(count), count)
+    depths = [(order.index(i) + 0.5) / count for i in range(count)]
     questions = tuple(
         Question(
-            f"What is the order number of {name}? Answer with the 7-digit number only.",
-            f"{name}, order number ",
-            order,
-        )
-        if turn % 2 == 0
-        else Question(
             f"How much was refunded to {name}? Answer with the amount only.",
             f"{name} was refunded $",
             amount,
+            depth,
         )
-        for turn, (name, order, amount) in enumerate(
-            list(zip(names, orders, amounts, strict=True))[: size.questions]
+        if refunds and turn % 2
+        else Question(
+            f"What is the order number of {name}? Answer with the 7-digit number only.",
+            f"{name}, order number ",
+            number,
+            depth,
+        )
+        for turn, (name, number, amount, depth) in enumerate(
+            list(zip(names, orders, amounts, depths, strict=True))[: size.questions]
         )
     )
-    # Shuffled, so that the asked chats sit anywhere in the transcript.
-    order = rng.sample(range(count), count)
     fillers: list[list[str]] = [[] for _ in names]
 
     def transcript() -> str:

@@ -102,14 +102,23 @@ class TaskDef:
         return self.build(context, size)
 
 
-def render(conversation: Conversation, tokenizer: Tokenizer) -> list[dict[str, Any]]:
-    """One row per question: the chat prompt up to the answer, and the answer."""
+def render(
+    conversation: Conversation, tokenizer: Tokenizer, generated: bool = False
+) -> list[dict[str, Any]]:
+    """One row per question: the chat prompt up to the answer, and the answer.
+
+    generated: the answer is generated, so the prompt stops before the answer prefix's trailing
+    whitespace (the model writes it with the answer's first token, as a tokenizer that joins a
+    space to the following digits spells it); then each turn's prompt is a token prefix of the
+    next turn's, which carries the earlier gold answers, and their prefill can be shared.
+    """
     messages: list[dict[str, str]] = []
     rows = []
     for turn, question in enumerate(conversation.questions):
         content = f"{conversation.document}\n\n{question.user}" if turn == 0 else question.user
         messages.append({"role": "user", "content": content})
-        context = tokenizer.apply_chat_template(messages) + question.answer_prefix
+        prefix = question.answer_prefix.rstrip() if generated else question.answer_prefix
+        context = tokenizer.apply_chat_template(messages) + prefix
         rows.append(
             {"context": context, "answer": question.answer, "turn": turn, "depth": question.depth}
         )
@@ -118,9 +127,13 @@ def render(conversation: Conversation, tokenizer: Tokenizer) -> list[dict[str, A
 
 
 def qa_rows(
-    context: GenContext, size: TaskSize, draw: Callable[[GenContext, int, TaskSize], Conversation]
+    context: GenContext,
+    size: TaskSize,
+    draw: Callable[[GenContext, int, TaskSize], Conversation],
+    generated: bool = False,
 ) -> list[dict[str, Any]]:
-    """Rows of size.docs conversations; draw(context, doc index, size) makes one.
+    """Rows of size.docs conversations; draw(context, doc index, size) makes one (rendered for
+    generated answers with `generated`).
 
     A draw whose answers do not each appear exactly once in its document is redrawn (the
     rng moves on, so the result stays deterministic).
@@ -133,8 +146,16 @@ def qa_rows(
                 break
         else:
             raise RuntimeError(f"no document with each answer exactly once in {MAX_DRAWS} draws")
-        rows += [{**row, "doc": doc} for row in render(conversation, context.tokenizer)]
+        rendered = render(conversation, context.tokenizer, generated)
+        rows += [{**row, "doc": doc} for row in rendered]
     return rows
+
+
+def spread_depth(doc: int, docs: int, needle: int, needles: int) -> float:
+    """Depth of one of `needles` needles in document `doc` of `docs`: the docs x needles needles
+    of a task tile [0, 1] evenly (each document's own spread over it, offset per document), so
+    every stretch of the haystack holds some whatever the sizes."""
+    return (needle * docs + doc + 0.5) / (docs * needles)
 
 
 def random_digits(rng: random.Random, digits: int) -> str:

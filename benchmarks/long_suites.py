@@ -1,0 +1,146 @@
+"""The long suites (conf/eval/long8k.yaml, long16k.yaml) task by task: the fp16 baseline's own
+scores, and optionally a policy's against it.
+
+Each task runs as a suite of its own (the same rows: a task draws from its own seeded rng), so
+its baseline lands in the content-keyed baseline cache (kvtune/autotune/evaluation/
+baseline_cache.py) and a policy's result in the benchmarks' content-keyed cache
+(eval_validity.cached_evaluate): an interrupted run resumes at the task where it stopped. Per
+task: items scored, the baseline's greedy exact match (a generation task's generated answers,
+a question-answering task's teacher-forced argmax) and its headline score (the mean
+gold-answer probability; word perplexity for wiki_ppl; exact match again for generation); with a
+policy, its exact match and retention (exp(-KL) per answer, or the exact-match ratio for a
+generation task); seconds each run took (a cached one shows the seconds it took then).
+
+    .venv/bin/python -m benchmarks.long_suites [--suite long8k] [--tasks passkey_greedy,...]
+        [--policy '{"k_dtype": "fp8", "v_dtype": "fp8"}'] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.table import Table
+
+from benchmarks.eval_validity import cached_evaluate, fmt
+from kvtune.autotune.cache import JsonCache, default_cache_folder
+from kvtune.autotune.evaluation import EvalSuite, load_suite
+from kvtune.autotune.evaluation.baseline_cache import baseline_run
+from kvtune.autotune.evaluation.evaluator import eval_cache_dir
+from kvtune.autotune.evaluation.task_files import task_folder
+from kvtune.autotune.evaluation.tasks import PERPLEXITY, TASKS
+from kvtune.runtime.model_source import resolve_model
+from kvtune.runtime.policy import KVPolicy
+from kvtune.runtime.tokenizer import Tokenizer
+
+
+def task_suite(suite: EvalSuite, task: str) -> EvalSuite:
+    """The suite with only `task` (its rows are the full suite's: each task has its own rng)."""
+    data = {**suite.to_dict(), "name": f"{suite.name}/{task}"}
+    data["tasks"] = {task: data["tasks"][task]}
+    return load_suite(data)
+
+
+@dataclass(frozen=True)
+class TaskRow:
+    """One task's line: the baseline's scores, and the policy's where one was given."""
+
+    task: str
+    items: int
+    baseline_exact_match: float | None
+    baseline_score: float
+    baseline_seconds: float
+    exact_match: float | None = None
+    retention: float | None = None
+    seconds: float | None = None
+
+
+def baseline_row(suite: EvalSuite, task: str) -> TaskRow:
+    """The task's baseline, from the baseline cache or computed (and stored) now."""
+    sub = task_suite(suite, task)
+    model_folder = resolve_model(sub.model)
+    root = eval_cache_dir()
+    folder = task_folder(sub, Tokenizer.from_folder(model_folder), root)
+    run, _ = baseline_run(sub, folder, model_folder, root)
+    score = run.tasks[task]
+    return TaskRow(task, score.samples, score.exact_match, score.score, run.seconds)
+
+
+def with_policy(row: TaskRow, suite: EvalSuite, policy: KVPolicy, cache: JsonCache) -> TaskRow:
+    """row with the policy's exact match, retention and seconds on the task."""
+    result = cached_evaluate(policy, task_suite(suite, row.task), cache)
+    task = result["tasks"][row.task]
+    return dataclasses.replace(
+        row,
+        exact_match=task.get("exact_match"),
+        retention=task["retention"],
+        seconds=result["seconds"],
+    )
+
+
+COLUMNS = (
+    "task",
+    "items",
+    "fp16 exact match",
+    "fp16 score",
+    "fp16 s",
+    "policy exact match",
+    "retention",
+    "policy s",
+)
+
+
+def cells(row: TaskRow) -> list[str]:
+    digits = 2 if TASKS[row.task].kind == PERPLEXITY else 3
+    return [
+        row.task,
+        str(row.items),
+        fmt(row.baseline_exact_match),
+        fmt(row.baseline_score, digits),
+        f"{row.baseline_seconds:.0f}",
+        fmt(row.exact_match),
+        fmt(row.retention),
+        "-" if row.seconds is None else f"{row.seconds:.0f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", default="long8k", help="a preset or YAML file")
+    parser.add_argument("--tasks", default="", help="comma-separated; default: the suite's")
+    parser.add_argument("--policy", default="", help="a policy as JSON (KVPolicy fields)")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    suite = load_suite(args.suite)
+    names = [t for t in args.tasks.split(",") if t] or list(suite.tasks)
+    policy = KVPolicy.from_dict(json.loads(args.policy)) if args.policy else None
+    cache = JsonCache(default_cache_folder("eval-validity"))
+    console = Console()
+    rows = []
+    for name in names:
+        row = baseline_row(suite, name)
+        if policy is not None:
+            row = with_policy(row, suite, policy, cache)
+        rows.append(row)
+        console.print(" | ".join(cells(row)))
+    title = f"{suite.name} ({suite.model}, {suite.context_tokens} tokens, seed {suite.seed})"
+    if args.markdown:
+        print(f"{title}\n")
+        print("| " + " | ".join(COLUMNS) + " |")
+        print("|" + "---|" * len(COLUMNS))
+        for row in rows:
+            print("| " + " | ".join(cells(row)) + " |")
+        return
+    table = Table(*COLUMNS, title=title)
+    for row in rows:
+        table.add_row(*cells(row))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
