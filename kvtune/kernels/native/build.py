@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -86,9 +87,19 @@ def _load(source: Path) -> ctypes.CDLL | None:
 
 
 def _source_digest(source: Path) -> str:
-    """SHA-256 prefix of what decides a kernel's numbers: its source and the flags (the
-    machine's compiler and CPU name only where its library lies)."""
-    return hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    """SHA-256 prefix of what decides a kernel's numbers: its source, the headers of this
+    folder it includes and the flags (the machine's compiler and CPU name only where its
+    library lies)."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode())
+    for header in _local_headers(source):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _local_headers(source: Path) -> list[Path]:
+    """The headers source names by `#include "name"` (beside it), in the order it names them."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [source.parent / name for name in names]
 
 
 @functools.cache
