@@ -24,7 +24,7 @@ from kvtune.kernels.attention.paged_torch import cache_attention_torch
 from kvtune.kernels.cache.pool import KVPool, read_blocks_ref, write_vectors_ref
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.kernels.formats.kv_format import KVFormat
-from kvtune.kernels.native import build
+from kvtune.kernels.native import build, pool_codes
 from kvtune.kernels.native.decode_attention import decode_attention_native
 from tests.kernels.attention.test_attention import TOLERANCE, relative_error
 
@@ -263,3 +263,23 @@ def test_disabled_kernels_leave_the_torch_path(monkeypatch: pytest.MonkeyPatch) 
         cache_attention_torch(q, None, starts, streams, SCALE),
         decode_attention_torch(q, starts, streams, SCALE),
     )
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "name,decode",
+    [
+        ("fp8", pool_codes.DECODE_E4M3),
+        ("fp4", pool_codes.DECODE_E2M1),
+        ("nvfp4", pool_codes.DECODE_E2M1),
+        ("int8_symmetric", pool_codes.DECODE_SIGNED_BYTES),
+        ("q8_0", pool_codes.DECODE_SIGNED_BYTES),
+        ("int8", pool_codes.DECODE_BYTES),
+        ("int4_channel", pool_codes.DECODE_NIBBLES),
+        ("iq4_nl", pool_codes.DECODE_TABLE),
+    ],
+)
+def test_codes_decode_by_arithmetic_where_it_equals_the_format(name: str, decode: int) -> None:
+    """E4M3, E2M1 and plain integer codes decode by arithmetic (checked against the format's
+    decode of every byte before use; a decode that differed would take the table)."""
+    assert pool_codes.pool_codes(_poisoned_pool(FORMATS[name], 1)).decode == decode
