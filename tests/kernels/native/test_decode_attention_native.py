@@ -252,10 +252,15 @@ def test_ids_outside_the_pool_raise() -> None:
         decode_attention_native(q, starts, [dataclasses.replace(streams[0], block_table=table)], 1)
 
 
-def test_disabled_kernels_leave_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With KVTUNE_NATIVE=0 the kernel does nothing and the backend's decode is the torch
-    path's, bit for bit."""
-    monkeypatch.setenv(build.ENABLE_VARIABLE, "0")
+@pytest.mark.parametrize(
+    "variable,value", [(build.ENABLE_VARIABLE, "0"), (build.DISABLE_VARIABLE, "x,decode_attention")]
+)
+def test_disabled_kernels_leave_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, variable: str, value: str
+) -> None:
+    """With KVTUNE_NATIVE=0, or this kernel named in KVTUNE_NATIVE_OFF, the kernel does
+    nothing and the backend's decode is the torch path's, bit for bit."""
+    monkeypatch.setenv(variable, value)
     streams = _three_streams(FORMATS["int4_channel"], FORMATS["int4"])
     q, starts = _queries(5, seed=12)
     assert decode_attention_native(q, starts, streams, SCALE) is None
