@@ -22,6 +22,7 @@ from kvtune.kernels.attention.identity_memo import IdentityMemo
 from kvtune.kernels.attention.paged import PagedStream
 from kvtune.kernels.attention.query_groups import QueryGroup, query_groups
 from kvtune.kernels.cache.pool import read_blocks_ref
+from kvtune.kernels.native.decode_attention import decode_attention_native
 
 
 def gather_stream(
@@ -203,10 +204,15 @@ def cache_attention_torch(
     and torch's fused scaled_dot_product_attention runs one softmax over all of them: the same
     result as attending each stream and merging by log-sum-exp, without materialising the
     logits (the per-stream path spent a third of a CSA prefill in logsumexp and exp). A decode
-    step dequantizes straight into SDPA's layout instead (`attention_decode_torch`).
+    step on a CPU runs the fused C kernel where it serves every stream
+    (`kvtune.kernels.native.decode_attention`), else dequantizes straight into SDPA's layout
+    (`decode_attention_torch`, the reference).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     if q_positions is None:
+        fused = decode_attention_native(q, q_seq_starts, streams, scale)
+        if fused is not None:
+            return fused
         return decode_attention_torch(q, q_seq_starts, merge_decode_streams(streams), scale)
     out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=q.device)
     for group in query_groups(q_seq_starts):

@@ -10,6 +10,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,10 +32,16 @@ FLAGS = (
 )
 # Set to 0 to run the torch paths only.
 ENABLE_VARIABLE = "KVTUNE_NATIVE"
+# Kernels (C source stems, comma-separated, e.g. decode_attention) whose torch paths run
+# instead, the others staying on: one kernel timed or checked against its torch path.
+DISABLE_VARIABLE = "KVTUNE_NATIVE_OFF"
 
 
-def native_enabled() -> bool:
-    return os.environ.get(ENABLE_VARIABLE, "1") != "0"
+def native_enabled(stem: str) -> bool:
+    """Whether the kernel of C source `stem` runs (neither all nor it disabled)."""
+    if os.environ.get(ENABLE_VARIABLE, "1") == "0":
+        return False
+    return stem not in os.environ.get(DISABLE_VARIABLE, "").split(",")
 
 
 def active_kernels() -> dict[str, str | None]:
@@ -42,7 +49,8 @@ def active_kernels() -> dict[str, str | None]:
     and its torch path agree only to the last bits of rotations and index products): per C
     source of this package (every kernel lives here, by file stem), a hash of its source and
     flags where it is enabled and builds here, None where its torch path runs instead
-    (KVTUNE_NATIVE=0, no compiler, a failed build). Builds each kernel on its first use."""
+    (KVTUNE_NATIVE=0, named in KVTUNE_NATIVE_OFF, no compiler, a failed build). Builds each
+    kernel on its first use."""
     return {
         source.stem: _source_digest(source) if load_kernel(source) is not None else None
         for source in sorted(Path(__file__).parent.glob("*.c"))
@@ -50,9 +58,9 @@ def active_kernels() -> dict[str, str | None]:
 
 
 def load_kernel(source: Path) -> ctypes.CDLL | None:
-    """The library built from source (a C file), or None when native kernels are disabled or
-    cannot be built here (the reason is logged once)."""
-    return _load(source) if native_enabled() else None
+    """The library built from source (a C file), or None when native kernels, or this one, are
+    disabled or it cannot be built here (the reason is logged once)."""
+    return _load(source) if native_enabled(source.stem) else None
 
 
 @functools.cache
@@ -86,9 +94,19 @@ def _load(source: Path) -> ctypes.CDLL | None:
 
 
 def _source_digest(source: Path) -> str:
-    """SHA-256 prefix of what decides a kernel's numbers: its source and the flags (the
-    machine's compiler and CPU name only where its library lies)."""
-    return hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    """SHA-256 prefix of what decides a kernel's numbers: its source, the headers of this
+    folder it includes and the flags (the machine's compiler and CPU name only where its
+    library lies)."""
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode())
+    for header in _local_headers(source):
+        digest.update(header.name.encode() + header.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _local_headers(source: Path) -> list[Path]:
+    """The headers source names by `#include "name"` (beside it), in the order it names them."""
+    names = re.findall(r'^\s*#\s*include\s+"([^"]+)"', source.read_text(), flags=re.MULTILINE)
+    return [source.parent / name for name in names]
 
 
 @functools.cache

@@ -155,18 +155,20 @@ def fresh_builds(tmp_path, monkeypatch: pytest.MonkeyPatch):
 
 
 @needs_compiler
-def test_builds_are_cached_by_source_content(fresh_builds, tmp_path) -> None:
-    source = tmp_path / "read_blocks.c"
+def test_builds_are_cached_by_source_and_header_content(fresh_builds, tmp_path) -> None:
+    source, header = tmp_path / "read_blocks.c", tmp_path / "pool_codes.h"
     source.write_bytes(SOURCE.read_bytes())
+    header.write_bytes((SOURCE.parent / "pool_codes.h").read_bytes())
     assert build.load_kernel(source) is not None
     first = sorted(fresh_builds.glob("*.so"))
     build._load.cache_clear()
     build.load_kernel(source)  # the same content: the same library, not rebuilt
     assert sorted(fresh_builds.glob("*.so")) == first and len(first) == 1
-    source.write_text(SOURCE.read_text() + "\n/* changed */\n")
-    build._load.cache_clear()
-    assert build.load_kernel(source) is not None
-    assert len(list(fresh_builds.glob("*.so"))) == 2
+    for changed in (source, header):  # a changed source or included header: a new library
+        changed.write_text(changed.read_text() + "\n/* changed */\n")
+        build._load.cache_clear()
+        assert build.load_kernel(source) is not None
+    assert len(list(fresh_builds.glob("*.so"))) == 3
 
 
 def test_without_a_compiler_the_torch_path_runs(

@@ -1,0 +1,199 @@
+/* One paged K or V pool as the C kernels read it, and the one decoder of its stored vectors:
+ * element codes -> fp32, then group scale, zero point and tensor scale, the same bits as the
+ * torch reference (kvtune/kernels/formats/quantize.py's dequantize_ref). Included by
+ * read_blocks.c and decode_attention.c; kvtune/kernels/native/pool_codes.py fills PoolCodes
+ * from a KVPool (kvtune/kernels/cache/pool.py) and picks each format's decode by checking it
+ * against the format's own decode of every byte. */
+#ifndef KVTUNE_POOL_CODES_H
+#define KVTUNE_POOL_CODES_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* How a vector's elements decode. Arithmetic where it gives the format's values (vectorized),
+ * else a table of every byte's values; the unquantized formats are their own values. */
+enum {
+  DECODE_NIBBLES = 0,      /* unsigned 4-bit codes, element 2i in the low nibble */
+  DECODE_BYTES = 1,        /* unsigned bytes */
+  DECODE_TABLE = 2,        /* decode_table[byte * per_byte + j] */
+  DECODE_SIGNED_BYTES = 3, /* two's complement bytes */
+  DECODE_E4M3 = 4,         /* FP8 E4M3 (no infinities; 0x7f and 0xff are NaN) */
+  DECODE_E2M1 = 5,         /* FP4 E2M1 nibbles, element 2i in the low nibble */
+  DECODE_FP16 = 6,         /* unquantized: IEEE binary16 values */
+  DECODE_BF16 = 7,         /* unquantized: bfloat16 values */
+  DECODE_FP32 = 8,         /* unquantized: fp32 values */
+};
+enum { SCALE_FP16 = 0, SCALE_FP32 = 1, SCALE_TABLE = 2 };
+#define MAX_GROUPS 512
+
+typedef struct {
+  const uint8_t *codes;            /* [num_blocks, block_size, heads, code bytes] */
+  int64_t num_blocks, code_block, code_token, code_head; /* strides in bytes */
+  int64_t block_size, heads, head_dim;
+  int32_t decode;                  /* DECODE_* */
+  int32_t per_byte;                /* codes a byte holds (DECODE_TABLE) */
+  const float *decode_table;       /* [256, per_byte]: the values of every byte (DECODE_TABLE) */
+  const uint8_t *scales;           /* [num_blocks, block_size / rows, heads, groups (+ groups)] */
+  int64_t scale_block, scale_row, scale_head; /* strides in bytes */
+  int32_t scale_kind;              /* SCALE_*: how a stored scale reads */
+  const float *scale_table;        /* [256]: the value of every scale byte (SCALE_TABLE) */
+  int32_t rows;                    /* consecutive tokens a scale row serves */
+  int32_t groups;                  /* group scales a vector has; 0: none (per tensor, unquantized) */
+  int32_t zero_point;              /* a zero point follows each row's group scales */
+  float tensor_scale;              /* multiplies every value (1 where the format takes none) */
+} PoolCodes;
+
+/* A vector's group scales [groups] then zero points [groups] (0 where the format keeps none):
+ * the parameters of one scale row. */
+typedef struct {
+  float values[2 * MAX_GROUPS];
+} RowScales;
+
+static inline float bits_to_float(uint32_t bits) {
+  float value;
+  memcpy(&value, &bits, 4);
+  return value;
+}
+
+#ifdef __FLT16_MAX__
+/* The compiler's half type: a row converts with the CPU's vector instructions where it has
+ * them (x86 F16C, Arm). */
+static inline float half_to_float(const uint8_t *bytes) {
+  _Float16 half;
+  memcpy(&half, bytes, 2);
+  return (float)half;
+}
+#else
+/* IEEE binary16 -> float, exactly (subnormals, infinities and NaN included). */
+static inline float half_to_float(const uint8_t *bytes) {
+  uint16_t half;
+  memcpy(&half, bytes, 2);
+  const uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+  const uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu;
+  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent == 0) { /* exact: at most 10 significant bits */
+    const float magnitude = (float)mantissa * 0x1p-24f;
+    return sign ? -magnitude : magnitude;
+  }
+  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+}
+#endif
+
+/* FP8 E4M3 -> float: a normal code's exponent and mantissa moved into fp32's fields and
+ * rebiased by an integer add; subnormals (exponent 0) are mantissa x 2^-9. No fp32 subnormal
+ * is formed, so no slow path. */
+static inline float e4m3_to_float(uint32_t code) {
+  const uint32_t magnitude = code & 0x7fu, sign = (code & 0x80u) << 24;
+  const float normal = bits_to_float(sign | ((magnitude << 20) + (120u << 23)));
+  const float small = (float)(magnitude & 7u) * 0x1p-9f;
+  const float value = (magnitude >> 3) ? normal : (sign ? -small : small);
+  return magnitude == 0x7fu ? NAN : value;
+}
+
+/* FP4 E2M1 nibble -> float, likewise: normals rebiased into fp32, subnormal 0.5 x mantissa. */
+static inline float e2m1_to_float(uint32_t nibble) {
+  const uint32_t magnitude = nibble & 7u, sign = (nibble & 8u) << 28;
+  const float normal = bits_to_float(sign | ((magnitude << 22) + (126u << 23)));
+  const float small = (float)(magnitude & 1u) * 0.5f;
+  return (magnitude >> 1) ? normal : (sign ? -small : small);
+}
+
+/* The bytes of the codes of (block id, token, head), and of its scale row. */
+static inline const uint8_t *code_row(const PoolCodes *p, int64_t id, int64_t token,
+                                      int64_t head) {
+  return p->codes + id * p->code_block + token * p->code_token + head * p->code_head;
+}
+
+/* The parameters of the scale row that serves token `token` of block id, head `head`. */
+static inline void load_row_scales(const PoolCodes *p, int64_t id, int64_t token, int64_t head,
+                                   RowScales *row) {
+  const int64_t groups = p->groups, stored = p->zero_point ? 2 * groups : groups;
+  const uint8_t *src = p->scales + id * p->scale_block + (token / p->rows) * p->scale_row +
+                       head * p->scale_head;
+  float *values = row->values;
+  if (p->scale_kind == SCALE_FP16) {
+    for (int64_t i = 0; i < stored; i++) values[i] = half_to_float(src + 2 * i);
+  } else if (p->scale_kind == SCALE_FP32) {
+    memcpy(values, src, 4 * stored);
+  } else {
+    for (int64_t i = 0; i < stored; i++) values[i] = p->scale_table[src[i]];
+  }
+  if (!p->zero_point) memset(values + groups, 0, sizeof(float) * groups);
+}
+
+/* Element codes -> their code values (quantized) or values (unquantized). */
+static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float *dst) {
+  const int64_t dim = p->head_dim;
+  switch (p->decode) {
+    case DECODE_NIBBLES:
+      for (int64_t i = 0; i < dim / 2; i++) {
+        dst[2 * i] = (float)(src[i] & 15);
+        dst[2 * i + 1] = (float)(src[i] >> 4);
+      }
+      break;
+    case DECODE_BYTES:
+      for (int64_t i = 0; i < dim; i++) dst[i] = (float)src[i];
+      break;
+    case DECODE_SIGNED_BYTES:
+      for (int64_t i = 0; i < dim; i++) dst[i] = (float)(int8_t)src[i];
+      break;
+    case DECODE_E4M3:
+      for (int64_t i = 0; i < dim; i++) dst[i] = e4m3_to_float(src[i]);
+      break;
+    case DECODE_E2M1:
+      for (int64_t i = 0; i < dim / 2; i++) {
+        dst[2 * i] = e2m1_to_float(src[i] & 15u);
+        dst[2 * i + 1] = e2m1_to_float(src[i] >> 4);
+      }
+      break;
+    case DECODE_FP16:
+      for (int64_t i = 0; i < dim; i++) dst[i] = half_to_float(src + 2 * i);
+      break;
+    case DECODE_BF16:
+      for (int64_t i = 0; i < dim; i++) {
+        uint16_t half;
+        memcpy(&half, src + 2 * i, 2);
+        dst[i] = bits_to_float((uint32_t)half << 16);
+      }
+      break;
+    case DECODE_FP32:
+      memcpy(dst, src, 4 * dim);
+      break;
+    default: {
+      const int64_t per_byte = p->per_byte;
+      for (int64_t i = 0; i < dim / per_byte; i++)
+        for (int64_t j = 0; j < per_byte; j++)
+          dst[i * per_byte + j] = p->decode_table[src[i] * per_byte + j];
+    }
+  }
+}
+
+/* One stored vector: (code * scale + zero) * tensor scale, rounded after each operation as the
+ * torch reference rounds it (built without contracting into fused multiply-adds); code * tensor
+ * scale without group scales (a tensor scale of 1 is skipped: exact either way). row: the
+ * vector's scale row (unused without group scales). */
+static inline void decode_vector(const PoolCodes *p, const uint8_t *src, const RowScales *row,
+                                 float *dst) {
+  decode_elements(p, src, dst);
+  const int64_t dim = p->head_dim;
+  const float tensor_scale = p->tensor_scale;
+  if (p->groups == 0) {
+    if (tensor_scale != 1.0f)
+      for (int64_t c = 0; c < dim; c++) dst[c] *= tensor_scale;
+    return;
+  }
+  const float *scale = row->values, *zero = row->values + p->groups;
+  const int64_t width = dim / p->groups;
+  if (width == 1) {
+    for (int64_t c = 0; c < dim; c++) dst[c] = (dst[c] * scale[c] + zero[c]) * tensor_scale;
+    return;
+  }
+  for (int64_t g = 0; g < p->groups; g++) {
+    const float s = scale[g], z = zero[g];
+    float *group = dst + g * width;
+    for (int64_t c = 0; c < width; c++) group[c] = (group[c] * s + z) * tensor_scale;
+  }
+}
+
+#endif
