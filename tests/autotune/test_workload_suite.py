@@ -62,3 +62,12 @@ def test_a_workload_naming_no_preset_is_one_line_naming_the_field():
     assert "\n" not in message
     assert "workload.suite" in message and "nosuch" in message
     assert "quick" in message and "heldout" in message  # the allowed presets are listed
+
+
+def test_a_workload_longer_than_the_model_is_refused_in_one_line():
+    longest = preset("model", "smollm2-135m")["max_position_embeddings"]
+    workload = next(w for w in WORKLOADS if preset("workload", w)["max_model_len"] > longest)
+    with pytest.raises(ConfigError) as error:
+        build_setup(tune_recipe([f"workload={workload}"]))  # the default model: SmolLM2
+    message = str(error.value)
+    assert "\n" not in message and "workload.max_model_len" in message
