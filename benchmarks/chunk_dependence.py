@@ -4,9 +4,9 @@ Prefix sharing (kvtune/autotune/evaluation/prefill_plan.py for the probability-s
 shared_generation.py for the greedy ones) reads a shorter prompt's logits from a longer
 prompt's prefill. That is exact only if a position computes the same logits whichever later
 tokens share its chunk. For each policy: the logits of the last 40 positions of a prefix
-computed alone, against the same positions inside the whole prompt (a Wikipedia haystack);
-max |logit difference| and argmax agreement (a markdown table), for prefixes that end inside a chunk and one that
-ends at a chunk boundary.
+computed alone, against the same positions inside the whole prompt (a Wikipedia haystack):
+max |logit difference| and argmax agreement, as a markdown table, for prefixes that end inside
+a chunk and one that ends at a chunk boundary.
 
     .venv/bin/python -m benchmarks.chunk_dependence [--model smollm2-135m] [--tokens 1400]
         [--cuts 700,1000,1024]
