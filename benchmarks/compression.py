@@ -4,7 +4,7 @@ and query-aware selection over a host tier, with their bytes, fetches and decode
 Issue 13's table: device bytes and host-tier bytes relative to fp16 at the trial suite's
 context, retention on the trial suite and on held-out seeds, greedy exact match on passkey and
 multikey (absolute, fp16's beside), greedy generation of the pass key in a --needle-context
-haystack (needle_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
+haystack (passkey_greedy: what a user sees, at 16x a 256-token window by default), the bytes a
 decode step fetches from the host tier, and the decode step time relative to fp16 measured in
 the same run, fp16's and the row's steps taken in turns (--decode-batch sequences of
 --decode-context tokens each decoding together, 1 by default; on the torch path on the CPU by
@@ -209,7 +209,7 @@ POLICIES: dict[str, KVPolicy] = {
 def needle_suite(base: EvalSuite, context: int, docs: int) -> EvalSuite:
     """The trial suite's model and settings, with only the greedy pass-key task at `context`."""
     data = {**base.to_dict(), "name": f"needle-{context}", "context_tokens": context}
-    data["tasks"] = {"needle_greedy": {"docs": docs}}
+    data["tasks"] = {"passkey_greedy": {"docs": docs}}
     return load_suite(data)
 
 
@@ -309,7 +309,7 @@ def main() -> None:
                 if seeds
                 else None
             )
-            greedy = cached_evaluate(policy, needle, cache)["tasks"]["needle_greedy"]
+            greedy = cached_evaluate(policy, needle, cache)["tasks"]["passkey_greedy"]
         # fp16 timed beside each row: a shared machine's load drifts over a long run.
         fp16_step, step, fetched = decode_timing(
             base,

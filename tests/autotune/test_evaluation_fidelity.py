@@ -149,7 +149,7 @@ def test_report_averages_the_expected_likelihood_over_tasks_with_the_score_besid
     rows = {
         "multikey": [{"context": f"c{i}", "answer": f"a{i}"} for i in range(3)],
         "wiki_ppl": [{"text": f"t{i}"} for i in range(2)],
-        "needle_greedy": [{"context": f"n{i}", "answer": "1"} for i in range(2)],
+        "passkey_greedy": [{"context": f"n{i}", "answer": "1"} for i in range(2)],
     }
     keys = [("c0", "a0"), ("c1", "a1"), ("c2", "a2"), ("t0", "0"), ("t1", "0")]
     lengths = [2, 3, 4, 6, 5]  # answer / document tokens
@@ -172,7 +172,7 @@ def test_report_averages_the_expected_likelihood_over_tasks_with_the_score_besid
         tasks = {
             "multikey": task_score(QA, qa_samples),
             "wiki_ppl": task_score(PERPLEXITY, ppl),
-            "needle_greedy": task_score(GENERATION, needle_samples),
+            "passkey_greedy": task_score(GENERATION, needle_samples),
         }
         return SuiteRun(tasks, recorded, 1.0)
 
@@ -188,4 +188,4 @@ def test_report_averages_the_expected_likelihood_over_tasks_with_the_score_besid
     assert result["tasks"]["multikey"]["score_retention"] == pytest.approx(math.exp(-0.1))
     assert result["score_retention"] == pytest.approx((math.exp(-0.1) + 1.0) / 2)
     assert result["generation_exact_match_retention"] == 0.5
-    assert result["tasks"]["needle_greedy"]["retention"] == 0.5
+    assert result["tasks"]["passkey_greedy"]["retention"] == 0.5

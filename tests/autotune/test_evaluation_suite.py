@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -21,16 +22,42 @@ from kvtune.autotune.evaluation.suite import TASK_NAMES, EvalSuite, TaskSize, lo
 from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
 from kvtune.runtime.errors import ConfigError
 
+GREEDY_TASKS = {name for name in TASK_NAMES if TASKS[name].kind == GENERATION}
+PRESET_GREEDY_TASKS = {
+    "quick": set(),
+    "heldout": set(),
+    "long": set(),
+    "full": {"passkey_greedy"},
+    "long8k": GREEDY_TASKS,
+    "long16k": GREEDY_TASKS,
+}
 
-@pytest.mark.parametrize("preset", ["quick", "heldout", "long", "full"])
+
+@pytest.mark.parametrize("preset", sorted(PRESET_GREEDY_TASKS))
 def test_presets_load_and_cover_every_task(preset):
     suite = load_suite(preset)
     assert suite.name == preset
-    scored = {name for name in TASK_NAMES if TASKS[name].kind != GENERATION}
-    # Every probability-scored task everywhere; the greedy needle (a prefill per question)
-    # only in the thorough preset.
-    assert set(suite.tasks) == (set(TASK_NAMES) if preset == "full" else scored)
+    scored = set(TASK_NAMES) - GREEDY_TASKS
+    # Every probability-scored task everywhere; greedy generation in the larger presets.
+    assert set(suite.tasks) == scored | PRESET_GREEDY_TASKS[preset]
     assert EvalSuite.from_dict(suite.to_dict()) == suite
+
+
+def test_the_task_names_are_the_registered_tasks():
+    assert set(TASK_NAMES) == set(TASKS)
+
+
+@pytest.mark.parametrize(
+    ("preset", "tokens", "seed"), [("long8k", 8192, 8), ("long16k", 16384, 16)]
+)
+def test_the_long_suites_run_on_the_long_model_with_twenty_greedy_items_a_task(
+    preset, tokens, seed
+):
+    suite = load_suite(preset)
+    assert (suite.model, suite.seed) == ("qwen2.5-coder-0.5b", seed)
+    assert all(suite.task_context(name) == tokens for name in suite.tasks)
+    for name in GREEDY_TASKS:
+        assert suite.tasks[name].docs * suite.tasks[name].questions >= 20
 
 
 def test_the_quick_suite_recalls_among_several_needles_at_two_thousand_tokens():
@@ -38,8 +65,8 @@ def test_the_quick_suite_recalls_among_several_needles_at_two_thousand_tokens():
     assert quick.task_context("multikey") >= 2048 and quick.task_context("codes") >= 2048
 
 
-def test_the_full_suite_asks_the_greedy_needle_at_four_thousand_tokens():
-    assert load_suite("full").task_context("needle_greedy") >= 4096
+def test_the_full_suite_asks_greedy_pass_keys_at_four_thousand_tokens():
+    assert load_suite("full").task_context("passkey_greedy") >= 4096
 
 
 def test_the_long_suite_asks_every_task_at_seven_thousand_tokens():
@@ -48,7 +75,7 @@ def test_the_long_suite_asks_every_task_at_seven_thousand_tokens():
     assert all(long.task_context(name) >= 7168 for name in long.tasks)
 
 
-@pytest.mark.parametrize("larger", ["heldout", "long", "full"])
+@pytest.mark.parametrize("larger", ["heldout", "long", "full", "long8k", "long16k"])
 def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
     quick, other = load_suite("quick"), load_suite(larger)
     assert other.context_tokens > quick.context_tokens
@@ -75,7 +102,10 @@ def test_larger_presets_hold_out_longer_contexts_and_more_documents(larger):
         ),
         # batch_tokens must hold the longest haystack, a task's own length included.
         (
-            {"batch_tokens": 4096, "tasks": {"needle_greedy": {"docs": 1, "context_tokens": 6000}}},
+            {
+                "batch_tokens": 4096,
+                "tasks": {"passkey_greedy": {"docs": 1, "context_tokens": 6000}},
+            },
             "eval.batch_tokens",
         ),
         ({"colour": "red"}, "eval.colour"),
@@ -85,6 +115,61 @@ def test_bad_settings_name_the_field(changes, field):
     with pytest.raises(ConfigError) as error:
         EvalSuite.from_dict({**load_suite("quick").to_dict(), **changes})
     assert error.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("model", "limit"), [("smollm2-135m", 8192), ("qwen2.5-coder-0.5b", 32768)]
+)
+@pytest.mark.parametrize("where", ["suite", "task"])
+def test_a_context_longer_than_the_models_positions_is_one_line_naming_the_field(
+    model, limit, where
+):
+    """The limit is the model preset's max_position_embeddings (conf/model/<model>.yaml)."""
+
+    def suite(tokens: int) -> EvalSuite:
+        if where == "suite":
+            return EvalSuite(
+                model=model,
+                context_tokens=tokens,
+                batch_tokens=tokens,
+                tasks={"passkey": {"docs": 1}},
+            )
+        return EvalSuite(
+            model=model,
+            batch_tokens=tokens,
+            tasks={"passkey": {"docs": 1, "context_tokens": tokens}},
+        )
+
+    assert suite(limit).task_context("passkey") == limit
+    with pytest.raises(ConfigError) as error:
+        suite(limit + 1)
+    field = "eval.context_tokens" if where == "suite" else "eval.tasks.passkey.context_tokens"
+    assert error.value.field == field
+    message = str(error.value)
+    assert "\n" not in message
+    assert f"max_position_embeddings ({limit} tokens)" in message and model in message
+
+
+def test_a_suite_model_read_from_a_local_folder_limits_its_context(tmp_path):
+    config = {
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "max_position_embeddings": 2048,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    EvalSuite(model=str(tmp_path), context_tokens=2048, tasks={"passkey": {"docs": 1}})
+    with pytest.raises(ConfigError, match=r"max_position_embeddings \(2048 tokens\)"):
+        EvalSuite(model=str(tmp_path), context_tokens=2049, tasks={"passkey": {"docs": 1}})
+
+
+def test_an_unknown_suite_model_lists_the_presets():
+    with pytest.raises(ConfigError, match="qwen2.5-coder-0.5b") as error:
+        EvalSuite(model="no-such-model", tasks={"passkey": {"docs": 1}})
+    assert error.value.field == "eval.model"
 
 
 def test_unknown_preset_lists_the_known_ones():
@@ -112,10 +197,10 @@ def test_task_sizes_accept_mappings():
 def test_a_task_may_run_at_its_own_context_length():
     suite = EvalSuite(
         context_tokens=1024,
-        tasks={"passkey": {"docs": 1}, "needle_greedy": {"docs": 2, "context_tokens": 4096}},
+        tasks={"passkey": {"docs": 1}, "passkey_greedy": {"docs": 2, "context_tokens": 4096}},
     )
     assert suite.task_context("passkey") == 1024
-    assert suite.task_context("needle_greedy") == 4096
+    assert suite.task_context("passkey_greedy") == 4096
     assert EvalSuite.from_dict(suite.to_dict()) == suite
     assert "context_tokens" not in suite.to_dict()["tasks"]["passkey"]
 

@@ -185,23 +185,23 @@ class AnsweringLM(RecordingLM):
         return [f" {keys[0]}"] + [str(int(key) + 1) for key in keys[1:]]
 
 
-def test_the_greedy_needle_is_generated_at_its_own_length_and_scored_by_exact_match(
+def test_greedy_pass_keys_are_generated_at_their_own_length_and_scored_by_exact_match(
     tmp_path, tokenizer
 ):
     suite = EvalSuite(
         context_tokens=768,
-        tasks={"passkey": {"docs": 1}, "needle_greedy": {"docs": 2, "context_tokens": 1536}},
+        tasks={"passkey": {"docs": 1}, "passkey_greedy": {"docs": 2, "context_tokens": 1536}},
     )
     folder = task_folder(suite, tokenizer, tmp_path)
-    needles = folder.rows["needle_greedy"]
+    needles = folder.rows["passkey_greedy"]
     for row in needles:
-        assert TASKS["needle_greedy"].kind == GENERATION
+        assert TASKS["passkey_greedy"].kind == GENERATION
         assert row["context"].count(row["answer"]) == 1
         assert 0.9 * 1536 <= len(tokenizer.encode(row["context"])) <= 1.05 * 1536
     assert folder.max_tokens >= max(len(tokenizer.encode(r["context"])) for r in needles) + 5
     lm = AnsweringLM()
     manager = TaskManager(include_path=str(folder.path), include_defaults=False)
-    name = folder.lm_eval_name("needle_greedy")
+    name = folder.lm_eval_name("passkey_greedy")
     results = lm_eval.simple_evaluate(
         model=lm, tasks=[name], task_manager=manager, bootstrap_iters=0, log_samples=True
     )

@@ -4,7 +4,7 @@ baseline on the generated long-context suite.
 accuracy_retention averages, over the probability-scored tasks, the expected likelihood ratio
 exp(-KL(baseline || policy)) of each gold answer (scoring.py: the lowest-variance signal
 measured where the tuner decides); the gold answer's probability, greedy exact match and the
-greedy needle's exact match are reported beside it.
+greedy generation tasks' exact match are reported beside it.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def evaluate(
     perplexity: scoring.py says why) and `accuracy_retention_stderr` (propagated),
     `score_retention` (mean of policy / baseline score, baseline / policy for perplexity),
     `exact_match_retention` (mean over QA tasks of greedy exact-match retention),
-    `generation_exact_match_retention` (greedy generation tasks such as the 4K needle, beside
-    and not inside accuracy_retention), `kv_clipped_fraction` (K/V values beyond a per-tensor or
+    `generation_exact_match_retention` (the greedy generation tasks, beside and not inside
+    accuracy_retention), `kv_clipped_fraction` (K/V values beyond a per-tensor or
     E4M3-scaled stream's range, None without such streams), `kl`, `kl_prompt_tail`,
     `top1_agreement`,
     `answer_agreement` (means over tasks), `seconds` (this policy's cost: loading and

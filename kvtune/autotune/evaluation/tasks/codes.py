@@ -169,7 +169,7 @@ def draw_asking(context: GenContext, size: TaskSize, refunds: bool) -> Conversat
         closings.append(f"Agent: Done, {name} was refunded ${amount}. {rng.choice(AGENT_LINES)}")
     # Shuffled, so that the asked chats sit anywhere in the transcript.
     order = rng.sample(range(count), count)
-    depths = [(order.index(i) + 0.5) / count for i in range(count)]
+    depths = [order.index(i) / count for i in range(count)]  # where each chat opens
     questions = tuple(
         Question(
             f"How much was refunded to {name}? Answer with the amount only.",
