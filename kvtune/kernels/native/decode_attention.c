@@ -42,14 +42,17 @@ static int64_t blocks_used(const DecodeStream *stream, int64_t seq) {
   return length > 0 ? (length + block_size - 1) / block_size : 0;
 }
 
-/* q . key in sixteen lanes the compiler keeps in vector registers, then the rest. */
+/* q . key in sixteen lanes the compiler keeps in vector registers, the lanes summed pairwise
+ * (vector adds, where summing them in a row was a chain of sixteen scalar adds), then the
+ * rest. */
 static inline float dot(const float *q, const float *key, int64_t dim) {
   float lanes[16] = {0};
   int64_t c = 0;
   for (; c + 16 <= dim; c += 16)
     for (int64_t l = 0; l < 16; l++) lanes[l] += q[c + l] * key[c + l];
-  float sum = 0.0f;
-  for (int64_t l = 0; l < 16; l++) sum += lanes[l];
+  for (int64_t l = 0; l < 8; l++) lanes[l] += lanes[l + 8];
+  for (int64_t l = 0; l < 4; l++) lanes[l] += lanes[l + 4];
+  float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
   for (; c < dim; c++) sum += q[c] * key[c];
   return sum;
 }
@@ -101,10 +104,12 @@ static void attend_tile(const DecodeArgs *a, const DecodeStream *stream, int64_t
       run->sum[g] *= alpha;
       for (int64_t c = 0; c < dim; c++) run->acc[g][c] *= alpha;
     }
+    float sum = run->sum[g];
     for (int64_t j = 0; j < count; j++) {
       weights[g][j] = shown[j] ? expf(weights[g][j] - new_max) : 0.0f;
-      run->sum[g] += weights[g][j];
+      sum += weights[g][j];
     }
+    run->sum[g] = sum;
     run->max[g] = new_max;
   }
   scale_row = -1;
