@@ -20,7 +20,7 @@ Hadamard-rotated values in groups of 64). Below 1 the fused kernel is faster.
 
     .venv/bin/python -m benchmarks.fused_decode [--runs 6] [--policies fp16,fp8,int4]
         [--batches 1,4,8] [--contexts 2048,8192] [--calls 20] [--seconds 0.3] [--steps 3]
-        [--no-step] [--markdown]
+        [--timed op,step] [--markdown]
 """
 
 from __future__ import annotations
@@ -170,17 +170,18 @@ def main() -> None:
         "--seconds", type=float, default=0.3, help="about how long a side's op calls take a run"
     )
     parser.add_argument("--steps", type=int, default=3, help="engine steps a side per run")
-    parser.add_argument("--no-step", action="store_true", help="time the op alone")
+    parser.add_argument("--timed", default="op,step", help="op, step or both")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
+    timed = args.timed.split(",")
     console = Console(stderr=True)
     lines = []
     for name in args.policies.split(","):
         policy = POLICIES[name]
         llm = None
-        if not args.no_step:
+        if "step" in timed:
             llm = LLM(
                 MODEL,
                 policy=policy,
@@ -190,9 +191,10 @@ def main() -> None:
             )
         for context in contexts:
             for batch in batches:
-                timings = [
-                    ("op", time_op(policy, batch, context, args.runs, args.calls, args.seconds))
-                ]
+                timings = []
+                if "op" in timed:
+                    op = time_op(policy, batch, context, args.runs, args.calls, args.seconds)
+                    timings.append(("op", op))
                 if llm is not None:
                     timings.append(("step", time_steps(llm, batch, context, args.runs, args.steps)))
                 for kind, (ratios, torch_seconds) in timings:
