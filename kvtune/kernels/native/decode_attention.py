@@ -126,7 +126,7 @@ def decode_attention_native(
     thread reads. None, having done nothing, where the kernel does not apply (a pool off the
     CPU or of a format its decoder lacks, not one query a sequence) or is not built."""
     library = load_kernel(SOURCE)
-    if library is None or q.device.type != "cpu" or not streams:
+    if library is None or q.device.type != "cpu" or not streams or not len(q):
         return None
     seqs, num_q_heads, head_dim = q.shape
     kv_heads = streams[0].num_kv_heads
