@@ -129,6 +129,24 @@ static void attend_tile(const DecodeArgs *a, const DecodeStream *stream, int64_t
   }
 }
 
+/* Ask for a block's codes and scales of one head before they are read: blocks lie anywhere
+ * in the pool, and the CPU's own prefetchers lose a block's run of rows at every jump. */
+static void prefetch_block(const DecodeStream *stream, int64_t id, int64_t head) {
+#ifdef __GNUC__
+  const PoolCodes *pools[2] = {&stream->k, &stream->v};
+  for (int p = 0; p < 2; p++) {
+    const PoolCodes *pool = pools[p];
+    const int64_t bytes = pool->code_head > 0 ? pool->code_head : pool->code_token;
+    for (int64_t t = 0; t < pool->block_size; t++) {
+      const uint8_t *row = code_row(pool, id, t, head);
+      for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+    }
+  }
+#else
+  (void)stream, (void)id, (void)head;
+#endif
+}
+
 /* The partial of one work item: blocks [first, last) of the sequence's blocks in stream
  * order, written as [group][max, sum, output[head_dim]]. */
 static void attend_split(const DecodeArgs *a, const DecodeStream *streams, int64_t num_streams,
@@ -150,7 +168,9 @@ static void attend_split(const DecodeArgs *a, const DecodeStream *streams, int64
     const int64_t begin = first > index ? first - index : 0;
     const int64_t end = last - index < used ? last - index : used;
     for (int64_t b = begin; b < end; b++) {
-      const int64_t id = stream->table[seq * stream->table_stride + b];
+      const int32_t *ids = stream->table + seq * stream->table_stride;
+      const int64_t id = ids[b];
+      if (b + 1 < end) prefetch_block(stream, ids[b + 1], head);
       const int64_t tokens = length - b * block_size < block_size ? length - b * block_size
                                                                    : block_size;
       for (int64_t t = 0; t < tokens; t += TILE)
@@ -215,8 +235,8 @@ int kvtune_decode_attention(const DecodeArgs *a, const DecodeStream *streams,
       blocks += blocks_used(&streams[i], s);
       work += streams[i].lengths[s] > 0 ? streams[i].lengths[s] : 0;
     }
-    const int64_t splits = blocks > a->split_blocks ? (blocks + a->split_blocks - 1) / a->split_blocks
-                                                    : 1;
+    const int64_t split = a->split_blocks;
+    const int64_t splits = blocks > split ? (blocks + split - 1) / split : 1;
     first_item[s + 1] = first_item[s] + splits * a->kv_heads;
   }
   const int64_t items = first_item[a->seqs], width = a->group * (a->head_dim + 2);
