@@ -42,14 +42,17 @@ static int64_t blocks_used(const DecodeStream *stream, int64_t seq) {
   return length > 0 ? (length + block_size - 1) / block_size : 0;
 }
 
-/* q . key in sixteen lanes the compiler keeps in vector registers, then the rest. */
+/* q . key in sixteen lanes the compiler keeps in vector registers, the lanes summed pairwise
+ * (vector adds, where summing them in a row was a chain of sixteen scalar adds), then the
+ * rest. */
 static inline float dot(const float *q, const float *key, int64_t dim) {
   float lanes[16] = {0};
   int64_t c = 0;
   for (; c + 16 <= dim; c += 16)
     for (int64_t l = 0; l < 16; l++) lanes[l] += q[c + l] * key[c + l];
-  float sum = 0.0f;
-  for (int64_t l = 0; l < 16; l++) sum += lanes[l];
+  for (int64_t l = 0; l < 8; l++) lanes[l] += lanes[l + 8];
+  for (int64_t l = 0; l < 4; l++) lanes[l] += lanes[l + 4];
+  float sum = (lanes[0] + lanes[2]) + (lanes[1] + lanes[3]);
   for (; c < dim; c++) sum += q[c] * key[c];
   return sum;
 }
@@ -101,10 +104,12 @@ static void attend_tile(const DecodeArgs *a, const DecodeStream *stream, int64_t
       run->sum[g] *= alpha;
       for (int64_t c = 0; c < dim; c++) run->acc[g][c] *= alpha;
     }
+    float sum = run->sum[g];
     for (int64_t j = 0; j < count; j++) {
       weights[g][j] = shown[j] ? expf(weights[g][j] - new_max) : 0.0f;
-      run->sum[g] += weights[g][j];
+      sum += weights[g][j];
     }
+    run->sum[g] = sum;
     run->max[g] = new_max;
   }
   scale_row = -1;
@@ -122,6 +127,24 @@ static void attend_tile(const DecodeArgs *a, const DecodeStream *stream, int64_t
       for (int64_t c = 0; c < dim; c++) run->acc[g][c] += weight * vector[c];
     }
   }
+}
+
+/* Ask for a block's codes and scales of one head before they are read: blocks lie anywhere
+ * in the pool, and the CPU's own prefetchers lose a block's run of rows at every jump. */
+static void prefetch_block(const DecodeStream *stream, int64_t id, int64_t head) {
+#ifdef __GNUC__
+  const PoolCodes *pools[2] = {&stream->k, &stream->v};
+  for (int p = 0; p < 2; p++) {
+    const PoolCodes *pool = pools[p];
+    const int64_t bytes = pool->code_head > 0 ? pool->code_head : pool->code_token;
+    for (int64_t t = 0; t < pool->block_size; t++) {
+      const uint8_t *row = code_row(pool, id, t, head);
+      for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(row + offset);
+    }
+  }
+#else
+  (void)stream, (void)id, (void)head;
+#endif
 }
 
 /* The partial of one work item: blocks [first, last) of the sequence's blocks in stream
@@ -145,7 +168,9 @@ static void attend_split(const DecodeArgs *a, const DecodeStream *streams, int64
     const int64_t begin = first > index ? first - index : 0;
     const int64_t end = last - index < used ? last - index : used;
     for (int64_t b = begin; b < end; b++) {
-      const int64_t id = stream->table[seq * stream->table_stride + b];
+      const int32_t *ids = stream->table + seq * stream->table_stride;
+      const int64_t id = ids[b];
+      if (b + 1 < end) prefetch_block(stream, ids[b + 1], head);
       const int64_t tokens = length - b * block_size < block_size ? length - b * block_size
                                                                    : block_size;
       for (int64_t t = 0; t < tokens; t += TILE)
@@ -210,8 +235,8 @@ int kvtune_decode_attention(const DecodeArgs *a, const DecodeStream *streams,
       blocks += blocks_used(&streams[i], s);
       work += streams[i].lengths[s] > 0 ? streams[i].lengths[s] : 0;
     }
-    const int64_t splits = blocks > a->split_blocks ? (blocks + a->split_blocks - 1) / a->split_blocks
-                                                    : 1;
+    const int64_t split = a->split_blocks;
+    const int64_t splits = blocks > split ? (blocks + split - 1) / split : 1;
     first_item[s + 1] = first_item[s] + splits * a->kv_heads;
   }
   const int64_t items = first_item[a->seqs], width = a->group * (a->head_dim + 2);

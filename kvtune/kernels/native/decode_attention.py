@@ -80,6 +80,11 @@ def _stream_args(
     if k is None or v is None or stream.num_kv_heads != kv_heads or stream.head_dim != head_dim:
         return None
     table, lengths = _int32_cpu(stream.block_table), _int32_cpu(stream.lengths)
+    if table.shape[1] * stream.block_size < int(lengths.max()):
+        raise ValueError(
+            f"block_table: {table.shape[1]} blocks a sequence cannot hold {int(lengths.max())} "
+            f"vectors in blocks of {stream.block_size}"
+        )
     keep += [table, lengths]
     args = _DecodeStream(
         k=k,
@@ -91,6 +96,8 @@ def _stream_args(
     )
     mask = stream.query_mask
     if mask is not None:
+        if mask.shape[0] != stream.num_seqs:  # not one query a sequence
+            return None
         if mask.device.type != "cpu" or mask.stride(-1) != 1:
             mask = mask.to("cpu").contiguous()
         keep.append(mask)
@@ -119,7 +126,7 @@ def decode_attention_native(
     thread reads. None, having done nothing, where the kernel does not apply (a pool off the
     CPU or of a format its decoder lacks, not one query a sequence) or is not built."""
     library = load_kernel(SOURCE)
-    if library is None or q.device.type != "cpu" or not streams:
+    if library is None or q.device.type != "cpu" or not streams or not len(q):
         return None
     seqs, num_q_heads, head_dim = q.shape
     kv_heads = streams[0].num_kv_heads

@@ -10,6 +10,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__) && defined(__AVX2__)
+#include <immintrin.h>
+#define HAVE_F16C 1 /* eight halves to floats in one instruction (x86) */
+#endif
 
 /* How a vector's elements decode. Arithmetic where it gives the format's values (vectorized),
  * else a table of every byte's values; the unquantized formats are their own values. */
@@ -39,7 +43,7 @@ typedef struct {
   int32_t scale_kind;              /* SCALE_*: how a stored scale reads */
   const float *scale_table;        /* [256]: the value of every scale byte (SCALE_TABLE) */
   int32_t rows;                    /* consecutive tokens a scale row serves */
-  int32_t groups;                  /* group scales a vector has; 0: none (per tensor, unquantized) */
+  int32_t groups;                  /* group scales a vector has; 0: none (per tensor, fp16...) */
   int32_t zero_point;              /* a zero point follows each row's group scales */
   float tensor_scale;              /* multiplies every value (1 where the format takes none) */
 } PoolCodes;
@@ -50,53 +54,63 @@ typedef struct {
   float values[2 * MAX_GROUPS];
 } RowScales;
 
+/* The decoders below build fp32 bit patterns with integer operations and choose between them
+ * by masks, without branches, so that a vector's loop compiles to vector instructions; no fp32
+ * subnormal is formed (no slow path). Each is exact. */
 static inline float bits_to_float(uint32_t bits) {
   float value;
   memcpy(&value, &bits, 4);
   return value;
 }
 
-#ifdef __FLT16_MAX__
-/* The compiler's half type: a row converts with the CPU's vector instructions where it has
- * them (x86 F16C, Arm). */
-static inline float half_to_float(const uint8_t *bytes) {
-  _Float16 half;
-  memcpy(&half, bytes, 2);
-  return (float)half;
+static inline uint32_t float_bits(float value) {
+  uint32_t bits;
+  memcpy(&bits, &value, 4);
+  return bits;
 }
-#else
-/* IEEE binary16 -> float, exactly (subnormals, infinities and NaN included). */
-static inline float half_to_float(const uint8_t *bytes) {
+
+/* a where mask is all ones, b where it is 0. */
+static inline uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {
+  return (a & mask) | (b & ~mask);
+}
+
+static inline uint32_t mask_of(uint32_t condition) { return -(uint32_t)(condition != 0); }
+
+/* IEEE binary16 bits -> float: normals rebiased, subnormals mantissa x 2^-24, infinities and
+ * NaN kept. */
+static inline float half_to_float(uint32_t half) {
+  const uint32_t sign = (half & 0x8000u) << 16, magnitude = half & 0x7fffu;
+  const uint32_t exponent = magnitude >> 10;
+  const uint32_t normal = (magnitude << 13) + (112u << 23);
+  const uint32_t special = (magnitude << 13) | 0x7f800000u;
+  const uint32_t small = float_bits((float)(int32_t)magnitude * 0x1p-24f);
+  const uint32_t bits = select_bits(mask_of(exponent == 0), small,
+                                    select_bits(mask_of(exponent == 31), special, normal));
+  return bits_to_float(sign | bits);
+}
+
+static inline float half_at(const uint8_t *bytes) {
   uint16_t half;
   memcpy(&half, bytes, 2);
-  const uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
-  const uint32_t exponent = (half >> 10) & 0x1fu, mantissa = half & 0x3ffu;
-  if (exponent == 0x1f) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent == 0) { /* exact: at most 10 significant bits */
-    const float magnitude = (float)mantissa * 0x1p-24f;
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  return half_to_float(half);
 }
-#endif
 
-/* FP8 E4M3 -> float: a normal code's exponent and mantissa moved into fp32's fields and
- * rebiased by an integer add; subnormals (exponent 0) are mantissa x 2^-9. No fp32 subnormal
- * is formed, so no slow path. */
+/* FP8 E4M3 -> float (no infinities; 0x7f and 0xff are NaN): normals rebiased, subnormals
+ * mantissa x 2^-9. */
 static inline float e4m3_to_float(uint32_t code) {
   const uint32_t magnitude = code & 0x7fu, sign = (code & 0x80u) << 24;
-  const float normal = bits_to_float(sign | ((magnitude << 20) + (120u << 23)));
-  const float small = (float)(magnitude & 7u) * 0x1p-9f;
-  const float value = (magnitude >> 3) ? normal : (sign ? -small : small);
-  return magnitude == 0x7fu ? NAN : value;
+  const uint32_t normal = (magnitude << 20) + (120u << 23);
+  const uint32_t small = float_bits((float)(int32_t)(magnitude & 7u) * 0x1p-9f);
+  const uint32_t bits = sign | select_bits(mask_of(magnitude >> 3), normal, small);
+  return bits_to_float(select_bits(mask_of(magnitude == 0x7fu), 0x7fc00000u, bits));
 }
 
-/* FP4 E2M1 nibble -> float, likewise: normals rebiased into fp32, subnormal 0.5 x mantissa. */
+/* FP4 E2M1 nibble -> float: normals rebiased, the subnormal 0.5 x mantissa. */
 static inline float e2m1_to_float(uint32_t nibble) {
   const uint32_t magnitude = nibble & 7u, sign = (nibble & 8u) << 28;
-  const float normal = bits_to_float(sign | ((magnitude << 22) + (126u << 23)));
-  const float small = (float)(magnitude & 1u) * 0.5f;
-  return (magnitude >> 1) ? normal : (sign ? -small : small);
+  const uint32_t normal = (magnitude << 22) + (126u << 23);
+  const uint32_t small = float_bits((float)(int32_t)(magnitude & 1u) * 0.5f);
+  return bits_to_float(sign | select_bits(mask_of(magnitude >> 1), normal, small));
 }
 
 /* The bytes of the codes of (block id, token, head), and of its scale row. */
@@ -113,7 +127,7 @@ static inline void load_row_scales(const PoolCodes *p, int64_t id, int64_t token
                        head * p->scale_head;
   float *values = row->values;
   if (p->scale_kind == SCALE_FP16) {
-    for (int64_t i = 0; i < stored; i++) values[i] = half_to_float(src + 2 * i);
+    for (int64_t i = 0; i < stored; i++) values[i] = half_at(src + 2 * i);
   } else if (p->scale_kind == SCALE_FP32) {
     memcpy(values, src, 4 * stored);
   } else {
@@ -139,6 +153,21 @@ static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float
       for (int64_t i = 0; i < dim; i++) dst[i] = (float)(int8_t)src[i];
       break;
     case DECODE_E4M3:
+#ifdef HAVE_F16C
+      if (dim % 8 == 0) { /* E4M3 bits shifted into a half are the value x 2^-8 (exact) */
+        for (int64_t i = 0; i < dim; i += 8) {
+          const __m128i codes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
+          const __m128i magnitude = _mm_and_si128(codes, _mm_set1_epi16(0x7f));
+          const __m128i sign = _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8);
+          const __m128i half = _mm_or_si128(sign, _mm_slli_epi16(magnitude, 7));
+          const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
+          const __m256 nan = _mm256_castsi256_ps(
+              _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f))));
+          _mm256_storeu_ps(dst + i, _mm256_blendv_ps(value, _mm256_set1_ps(NAN), nan));
+        }
+        break;
+      }
+#endif
       for (int64_t i = 0; i < dim; i++) dst[i] = e4m3_to_float(src[i]);
       break;
     case DECODE_E2M1:
@@ -148,7 +177,16 @@ static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float
       }
       break;
     case DECODE_FP16:
-      for (int64_t i = 0; i < dim; i++) dst[i] = half_to_float(src + 2 * i);
+#ifdef HAVE_F16C
+      if (dim % 8 == 0) {
+        for (int64_t i = 0; i < dim; i += 8) {
+          const __m128i halves = _mm_loadu_si128((const __m128i *)(src + 2 * i));
+          _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(halves));
+        }
+        break;
+      }
+#endif
+      for (int64_t i = 0; i < dim; i++) dst[i] = half_at(src + 2 * i);
       break;
     case DECODE_BF16:
       for (int64_t i = 0; i < dim; i++) {

@@ -243,13 +243,16 @@ def test_a_sequences_output_has_the_same_bits_in_any_batch(split_tokens: int) ->
 
 
 @needs_compiler
-def test_ids_outside_the_pool_raise() -> None:
+def test_ids_outside_the_pool_and_short_tables_raise() -> None:
     streams = _three_streams(FORMATS["int4"], FORMATS["int4"])
     q, starts = _queries(5, seed=11)
     table = streams[0].block_table.clone()
     table[2, 1] = streams[0].k.codes.shape[0]
     with pytest.raises(IndexError, match="block"):
         decode_attention_native(q, starts, [dataclasses.replace(streams[0], block_table=table)], 1)
+    short = dataclasses.replace(streams[0], block_table=streams[0].block_table[:, :9])
+    with pytest.raises(ValueError, match="block_table"):
+        decode_attention_native(q, starts, [short], 1)
 
 
 @pytest.mark.parametrize(

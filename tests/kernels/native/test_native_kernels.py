@@ -5,6 +5,7 @@ and signed codes by table) and every scale dtype (fp16, fp32, E4M3 and UE8M0 byt
 slice of a larger buffer; index products equal their definition over those vectors; ids out of
 range raise; and the build is cached by content, and skipped without a compiler."""
 
+import ctypes
 import math
 import shutil
 
@@ -14,7 +15,7 @@ import torch
 from kvtune.kernels.cache.pool import KVPool, read_blocks_into, read_vectors_ref, write_vectors_ref
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.kernels.formats.kv_format import KVFormat
-from kvtune.kernels.native import build
+from kvtune.kernels.native import build, pool_codes
 from kvtune.kernels.native.read_blocks import SOURCE, index_products_native, read_blocks_native
 from kvtune.kernels.native.rotate_rows import rotate_rows_native
 from tests.kernels.attention.test_attention import _poisoned_pool
@@ -202,3 +203,21 @@ def test_rotation_products_round_the_fp64_product_once_whatever_the_batch(dim: i
     assert torch.equal(
         rotate_rows_native(halves, matrix), rotate_rows_native(halves.float(), matrix)
     )
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_16_bit_value_decodes_to_torchs_float(dtype: torch.dtype) -> None:
+    """pool_codes.h's decode of unquantized fp16 and bf16 values (its own bit arithmetic):
+    every one of the 65536 bit patterns gives torch's fp32 conversion, NaN for NaN."""
+    library = build.load_kernel(pool_codes.SOURCE)
+    values = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    probe = pool_codes.PoolCodes(head_dim=len(values), decode=pool_codes.UNQUANTIZED_DECODES[dtype])
+    decoded = torch.empty(len(values))
+    library.kvtune_decode_elements(
+        ctypes.byref(probe), ctypes.c_void_p(values.data_ptr()), ctypes.c_void_p(decoded.data_ptr())
+    )
+    expected = values.float()
+    assert torch.equal(decoded.isnan(), expected.isnan())
+    shown = ~expected.isnan()
+    assert torch.equal(decoded[shown].view(torch.int32), expected[shown].view(torch.int32))
