@@ -25,7 +25,7 @@ from kvtune.kernels.cache.pool import KVPool, read_blocks_ref, write_vectors_ref
 from kvtune.kernels.formats.element_formats import ELEMENT_FORMATS
 from kvtune.kernels.formats.kv_format import KVFormat
 from kvtune.kernels.native import build, pool_codes
-from kvtune.kernels.native.decode_attention import decode_attention_native
+from kvtune.kernels.native.decode_attention import SOURCE, decode_attention_native
 from tests.kernels.attention.test_attention import TOLERANCE, relative_error
 
 BLOCK, HEADS, GROUP, DIM = 16, 3, 3, 64
@@ -52,8 +52,10 @@ FORMATS = {
     "fp8_per_tensor": KVFormat("fp8"),
     "int8_symmetric_fp32": KVFormat("int8_symmetric", 64, "fp32"),
 }
+# No compiler here, or the kernels turned off (KVTUNE_NATIVE=0): the tests that need them skip.
 needs_compiler = pytest.mark.skipif(
-    shutil.which("cc") is None, reason="no C compiler: the torch path runs instead"
+    shutil.which("cc") is None or not build.native_enabled(SOURCE.stem),
+    reason="no C compiler, or native kernels off: the torch path runs instead",
 )
 
 
