@@ -11,8 +11,13 @@ gold-answer probability; word perplexity for wiki_ppl; exact match again for gen
 policy, its exact match and retention (exp(-KL) per answer, or the exact-match ratio for a
 generation task); seconds each run took (a cached one shows the seconds it took then).
 
+--estimate 16384,32768 adds what the measured tasks would cost at other lengths (same items):
+the seconds measured here times the ratio of prefill FLOPs per prompt, 2 x (the decoder's matmul
+parameters, embeddings aside) x L for the projections plus 4 x layers x heads x head_dim x L^2 / 2
+for causal attention (an estimate, not a measurement).
+
     .venv/bin/python -m benchmarks.long_suites [--suite long8k] [--tasks passkey_greedy,...]
-        [--policy '{"k_dtype": "fp8", "v_dtype": "fp8"}'] [--markdown]
+        [--policy '{"k_dtype": "fp8", "v_dtype": "fp8"}'] [--estimate 16384,32768] [--markdown]
 """
 
 from __future__ import annotations
@@ -108,11 +113,36 @@ def cells(row: TaskRow) -> list[str]:
     ]
 
 
+def prefill_flops(config: dict, tokens: int) -> float:
+    """FLOPs of one causal prefill of `tokens` tokens (module docstring: the formula)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads", heads)
+    head_dim = config.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    matmul_params = layers * (attention + 3 * hidden * config["intermediate_size"])
+    return 2.0 * matmul_params * tokens + 4.0 * layers * heads * head_dim * tokens**2 / 2
+
+
+def estimates(suite: EvalSuite, rows: list[TaskRow], lengths: list[int]) -> list[str]:
+    """One line per length: the measured tasks' baseline seconds scaled by the FLOP ratio."""
+    config = json.loads((resolve_model(suite.model) / "config.json").read_text())
+    measured = sum(row.baseline_seconds for row in rows)
+    here = prefill_flops(config, suite.context_tokens)
+    return [
+        f"{length} tokens: {prefill_flops(config, length) / here:.2f}x the prefill FLOPs of "
+        f"{suite.context_tokens}, about {measured * prefill_flops(config, length) / here:.0f} s "
+        f"for {', '.join(row.task for row in rows)} (measured here: {measured:.0f} s)"
+        for length in lengths
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", default="long8k", help="a preset or YAML file")
     parser.add_argument("--tasks", default="", help="comma-separated; default: the suite's")
     parser.add_argument("--policy", default="", help="a policy as JSON (KVPolicy fields)")
+    parser.add_argument("--estimate", default="", help="comma-separated lengths (tokens)")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -129,6 +159,9 @@ def main() -> None:
         rows.append(row)
         console.print(" | ".join(cells(row)))
     title = f"{suite.name} ({suite.model}, {suite.context_tokens} tokens, seed {suite.seed})"
+    lengths = [int(length) for length in args.estimate.split(",") if length]
+    for line in estimates(suite, rows, lengths):
+        console.print(f"estimate at {line}")
     if args.markdown:
         print(f"{title}\n")
         print("| " + " | ".join(COLUMNS) + " |")
