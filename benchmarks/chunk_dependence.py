@@ -6,7 +6,11 @@ prompt's prefill. That is exact only if a position computes the same logits whic
 tokens share its chunk. For each policy: the logits of the last 40 positions of a prefix
 computed alone, against the same positions inside the whole prompt (a Wikipedia haystack):
 max |logit difference| and argmax agreement, as a markdown table, for prefixes that end inside
-a chunk and one that ends at a chunk boundary.
+a chunk and one that ends at a chunk boundary; and, as a control, the whole prompt against
+itself with every key and value the model writes scaled by (1 + 1e-7 noise): an fp32 rounding's
+size, at equal shapes. Where the control moves the logits as much, the dependence is the
+cache's sensitivity to rounding (codes on a boundary flip and the layers amplify the flips),
+not a read of later tokens.
 
     .venv/bin/python -m benchmarks.chunk_dependence [--model smollm2-135m] [--tokens 1400]
         [--cuts 700,1000,1024]
@@ -16,11 +20,16 @@ from __future__ import annotations
 
 import argparse
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
 
 from kvtune.autotune.evaluation import haystack
 from kvtune.runtime.llm import LLM
 
 SPAN = 40  # positions compared before each cut
+NOISE = 1e-7  # the control's relative perturbation of K and V: fp32 rounding's size
 POLICIES: dict[str, dict] = {
     "auto (model dtype)": {"k_dtype": "auto", "v_dtype": "auto"},
     "int4 g32": {"k_dtype": "int4", "v_dtype": "int4", "group_size": 32},
@@ -61,6 +70,36 @@ def compare(llm: LLM, ids: list[int], cut: int) -> tuple[float, float]:
     return difference, agreement
 
 
+@contextmanager
+def perturbed_writes(llm: LLM) -> Iterator[None]:
+    """Every K and V the model writes scaled by (1 + NOISE * a seeded normal draw)."""
+    cache = llm.engine.cache
+    attend = cache.attend
+
+    def perturbed(layer, layout, q, k, v, scale):
+        draws = torch.Generator().manual_seed(layer)
+        k = k * (1 + NOISE * torch.randn(k.shape, generator=draws, dtype=k.dtype))
+        v = v * (1 + NOISE * torch.randn(v.shape, generator=draws, dtype=v.dtype))
+        return attend(layer, layout, q, k, v, scale)
+
+    cache.attend = perturbed
+    try:
+        yield
+    finally:
+        del cache.attend
+
+
+def control(llm: LLM, ids: list[int]) -> tuple[float, float]:
+    """(max |logit difference|, argmax agreement) of the whole prompt against itself with
+    perturbed writes, over its last SPAN positions."""
+    start = len(ids) - SPAN
+    exact = llm.prompt_logits_batch([ids], [start])[0]
+    with perturbed_writes(llm):
+        perturbed = llm.prompt_logits_batch([ids], [start])[0]
+    difference = float((exact - perturbed).abs().max())
+    return difference, float((exact.argmax(-1) == perturbed.argmax(-1)).float().mean())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -71,11 +110,12 @@ def main() -> None:
     base = LLM(args.model, max_num_seqs=2, max_model_len=args.tokens)
     ids = haystack_ids(base, args.tokens)
     print(f"{args.model}, {args.tokens}-token prompt, chunk {base.policy.chunk_size}\n")
-    print("| policy | " + " | ".join(f"cut {c}: max abs dlogit, argmax agree" for c in cuts) + " |")
-    print("|---|" + "---|" * len(cuts))
+    columns = [f"cut {c}: max abs dlogit, argmax agree" for c in cuts]
+    print("| policy | " + " | ".join([*columns, f"control: K/V x (1 + {NOISE:g} noise)"]) + " |")
+    print("|---|" + "---|" * (len(cuts) + 1))
     for name, policy in POLICIES.items():
         llm = base.with_policy(policy)
-        results = [compare(llm, ids, cut) for cut in cuts]
+        results = [compare(llm, ids, cut) for cut in cuts] + [control(llm, ids)]
         print(
             f"| {name} | "
             + " | ".join(f"{diff:.3g}, {agree:.3f}" for diff, agree in results)
