@@ -11,9 +11,10 @@ token leaves the host's tokens before a stop is written, the turn is generated o
 there (prompt + the tokens followed so far), so the text is always what greedy decoding of the
 turn alone writes.
 
-This holds as far as a position's logits do not depend on the tokens after it in its prefill
-chunk: exactly for an unquantized cache; tests/autotune/test_shared_generation.py records a
-quantized policy where they do.
+No position reads a later token of its chunk, so this is exact up to rounding: a quantized
+cache's logits move with the last bits of the chunk's fp32 sums (a code on a boundary flips,
+the layers amplify it), so a shared turn reads one of the equally likely roundings of its own
+prefill (tests/autotune/test_shared_generation.py, benchmarks/chunk_dependence.py).
 """
 
 from __future__ import annotations
