@@ -7,7 +7,8 @@ retention >= 0.95 (exact match >= 0.97), one at <= 0.22 with >= 0.90, and, at eq
 benchmark's (content-keyed: model, suite, policy, evaluation code), so reruns and interrupted
 runs are cheap.
 
-    .venv/bin/python -m benchmarks.formats [--cheap quick] [--heldout heldout]
+    .venv/bin/python -m benchmarks.formats [--model qwen2.5-coder-0.5b] [--cheap quick]
+        [--heldout heldout]
         [--heldout-seeds 1,2] [--policies "fp8 g32,..."] [--presets] [--markdown]
 """
 
@@ -23,6 +24,7 @@ from benchmarks.tables import print_rows
 from kvtune.autotune.cache import JsonCache, default_cache_folder
 from kvtune.autotune.config.engine_presets import engine_presets
 from kvtune.autotune.evaluation import load_suite
+from kvtune.autotune.evaluation.suite import suite_fields
 from kvtune.autotune.search.sensitivity import RuntimeSettings, layer_sensitivity
 from kvtune.runtime.arch import ModelArch, arch_from_folder
 from kvtune.runtime.kv_bytes import kv_bytes_per_sequence
@@ -139,6 +141,7 @@ def bytes_ratio(arch: ModelArch, policy: KVPolicy, tokens: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model preset in place of the suites'")
     parser.add_argument("--cheap", default="quick", help="the suite a trial pays for")
     parser.add_argument("--heldout", default="heldout", help="preset name or YAML path")
     parser.add_argument(
@@ -152,9 +155,11 @@ def main() -> None:
     parser.add_argument("--presets", action="store_true", help="add conf/policy/<engine>/*")
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
-    cheap = load_suite(args.cheap)
+    model = {"model": args.model} if args.model else {}
+    cheap = load_suite({**suite_fields(args.cheap), **model})
     seeds = [int(s) for s in args.heldout_seeds.split(",") if s.strip()]
-    heldouts = [with_seed(load_suite(args.heldout), seed) for seed in seeds]
+    heldout = load_suite({**suite_fields(args.heldout), **model})
+    heldouts = [with_seed(heldout, seed) for seed in seeds]
     arch = arch_from_folder(resolve_model(cheap.model))
     mixes = {VALUE_SENSITIVE_MIX.format(n=n): n for n in (4, 8, 12)}
     known = {**POLICIES, **engine_presets(arch.head_dim), **dict.fromkeys(mixes)}
