@@ -62,8 +62,8 @@ class ModelArch:
             raise ConfigError(
                 field,
                 tokens,
-                f"at most the model's max_position_embeddings ({self.max_position_embeddings} "
-                "tokens)",
+                f"at most {self.name}'s max_position_embeddings "
+                f"({self.max_position_embeddings} tokens)",
             )
 
     @property

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from kvtune.runtime.arch import arch_from_folder
+from kvtune.autotune.config.settings import build_model_arch
+from kvtune.runtime.arch import ModelArch, arch_from_folder
 from kvtune.runtime.errors import ConfigError
 
 CONF_DIR = Path(__file__).resolve().parents[3] / "conf"
@@ -45,26 +46,22 @@ def _check_int(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def model_max_positions(model: str) -> int:
-    """The positions a suite's model was trained on (tokens): max_position_embeddings of its
-    preset (conf/model/<model>.yaml), or of a local folder's config.json."""
+def model_arch(model: str) -> ModelArch:
+    """A suite's model's architecture: its preset (conf/model/<model>.yaml) or a local folder's
+    config.json; its max_position_embeddings bounds the suite's haystacks."""
     preset = MODEL_PRESET_DIR / f"{model}.yaml"
     if preset.is_file():
-        return int(yaml.safe_load(preset.read_text())["max_position_embeddings"])
+        return build_model_arch(yaml.safe_load(preset.read_text()))
     if Path(model).expanduser().is_dir():
-        return arch_from_folder(model).max_position_embeddings
+        return arch_from_folder(model)
     presets = ", ".join(sorted(p.stem for p in MODEL_PRESET_DIR.glob("*.yaml")))
     raise ConfigError(_field("model"), model, f"a model preset ({presets}) or a local folder")
 
 
-def _check_context(name: str, value: object, model: str) -> int:
+def _check_context(name: str, value: object, arch: ModelArch) -> int:
     """A haystack length: at least MIN_CONTEXT_TOKENS, at most the model's positions."""
     tokens = _check_int(name, value, MIN_CONTEXT_TOKENS)
-    limit = model_max_positions(model)
-    if tokens > limit:
-        raise ConfigError(
-            _field(name), tokens, f"at most {model}'s max_position_embeddings ({limit} tokens)"
-        )
+    arch.check_context(tokens, _field(name))
     return tokens
 
 
@@ -113,7 +110,8 @@ class EvalSuite:
 
     def __post_init__(self) -> None:
         _check_int("seed", self.seed, 0)
-        _check_context("context_tokens", self.context_tokens, self.model)
+        arch = model_arch(self.model)
+        _check_context("context_tokens", self.context_tokens, arch)
         _check_int("kl_tail_tokens", self.kl_tail_tokens, 0)
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if not self.tasks:
@@ -122,7 +120,7 @@ class EvalSuite:
         for name, size in self.tasks.items():
             if name not in TASK_NAMES:
                 raise ConfigError(_field(f"tasks.{name}"), size, f"a task: {', '.join(TASK_NAMES)}")
-            sizes[name] = _task_size(name, size, self.model)
+            sizes[name] = _task_size(name, size, arch)
         object.__setattr__(self, "tasks", sizes)
         longest = max([self.context_tokens] + [s.context_tokens or 0 for s in sizes.values()])
         _check_int("batch_tokens", self.batch_tokens, longest)
@@ -160,7 +158,7 @@ class EvalSuite:
         return _digest({k: v for k, v in self.to_dict().items() if k != "name"})
 
 
-def _task_size(name: str, size: object, model: str) -> TaskSize:
+def _task_size(name: str, size: object, arch: ModelArch) -> TaskSize:
     if isinstance(size, TaskSize):
         values = dataclasses.asdict(size)
     elif isinstance(size, Mapping):
@@ -176,7 +174,7 @@ def _task_size(name: str, size: object, model: str) -> TaskSize:
     questions = _check_int(f"tasks.{name}.questions", values.get("questions", 1), 1)
     context = values.get("context_tokens")
     if context is not None:
-        _check_context(f"tasks.{name}.context_tokens", context, model)
+        _check_context(f"tasks.{name}.context_tokens", context, arch)
     return TaskSize(docs, questions, context)
 
 
