@@ -48,6 +48,7 @@ CODE = (
     "benchmarks.niah_heatmap",
     "kvtune.autotune.evaluation.shared_generation",
     "kvtune.autotune.evaluation.lm_backend",
+    "kvtune.autotune.evaluation.tasks",  # the stops and token budget of the answers
     "kvtune.runtime",
     "kvtune.kernels",
 )
