@@ -8,8 +8,10 @@ means live in a per-layer index pool (means in its K half only): in the layer's 
 rotated space, or (a separate csa_index_dtype) in the model's basis, scored with the unrotated
 queries. A prefill chunk reads the selected blocks where they are (each query its own choice,
 by mask); a decode step fetches them into the sequence's staging blocks (host_fetch.py). With
-csa_select_every > 1 a query is scored by its anchor's query (`select_anchors`), and a decode
-step whose choice would not change reuses the staged one.
+csa_rescore > 1 the index shortlists and the host tier's exact keys decide
+(kernels/selection/rescore.py). With csa_select_every > 1 a query is scored by its anchor's
+query (`select_anchors`), and a decode step whose choice would not change reuses the staged
+one.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from kvtune.kernels.attention.paged import PagedStream
 from kvtune.kernels.selection.blocks import IndexProducts, select_blocks
+from kvtune.kernels.selection.rescore import key_block_bytes, rescore_decode, rescore_prefill
 from kvtune.runtime.block_manager import SequenceKV
 from kvtune.runtime.cache_pools import LayerPools
 from kvtune.runtime.host_fetch import HostFetch
@@ -47,12 +50,15 @@ class BlockSelection:
         self.layer_topk = layer_topk
         self.layer_every = layer_every
         self.device = device
+        # Host-tier key bytes decode steps read to rescore their shortlists (csa_rescore > 1).
+        self.rescored_bytes = 0
 
     def select(
         self,
         layer: int,
         layout: StepLayout,
         q: torch.Tensor,
+        exact_q: torch.Tensor,
         positions: torch.Tensor | None,
         scale: float,
         streams: dict[str, PagedStream],
@@ -61,7 +67,8 @@ class BlockSelection:
     ) -> None:
         """Each query's older blocks (the layer's budget), scored on `index` (key bounds, means
         or summaries, by the backend's index_products) with q in the index's basis (each
-        query's anchor query, `select_anchors`): their summaries (if any) hidden from it,
+        query's anchor query, `select_anchors`; exact_q the same queries in the cache's space,
+        for csa_rescore): their summaries (if any) hidden from it,
         their exact form shown (in place in the host tier for a prefill step, fetched for a
         decode step). A layer whose budget is 0 reads what a compressed layer without
         selection reads."""
@@ -83,19 +90,21 @@ class BlockSelection:
                 layout.q_seq_starts,
                 index,
                 per_block if policy.csa_index == "summaries" else 1,
-                topk,
+                topk * policy.csa_rescore,
                 scale,
                 policy.csa_index,
                 index_products,
             )
+        host = streams.pop(host_key)
+        if positions is not None and self.fetch.host_is_remote(host):
+            host = self.fetch.fetch_for_prefill(layer, host)
+        if policy.csa_rescore > 1 and not reuses:
+            chosen = self._rescored(exact_q, positions, layout, host, chosen, topk)
         if policy.summarises:
             streams[summary_key] = dataclasses.replace(
                 streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=2)
             )
-        host = streams.pop(host_key)
         if positions is not None:
-            if self.fetch.host_is_remote(host):
-                host = self.fetch.fetch_for_prefill(layer, host)
             streams[host_key] = dataclasses.replace(
                 host, query_mask=chosen.repeat_interleave(bs, dim=2)
             )
@@ -116,6 +125,22 @@ class BlockSelection:
             int32_tensor([len(ids) * bs for ids in staged], self.device),
             host.start_positions,
         )
+
+    def _rescored(
+        self,
+        q: torch.Tensor,
+        positions: torch.Tensor | None,
+        layout: StepLayout,
+        host: PagedStream,
+        shortlist: torch.Tensor,
+        topk: int,
+    ) -> torch.Tensor:
+        """The budget of each query's shortlist that the host tier's exact keys rank first."""
+        if positions is not None:
+            return rescore_prefill(q, positions, layout.q_seq_starts, host, shortlist, topk)
+        picks, blocks_read = rescore_decode(q, host, shortlist, topk)
+        self.rescored_bytes += blocks_read * key_block_bytes(host.k)
+        return picks
 
     def _last_choices(self, layer: int, kvs: list[SequenceKV]) -> torch.Tensor | None:
         """bool [S, Hkv, blocks]: the choices of the sequences' last decode selection in

@@ -289,6 +289,7 @@ class Engine:
             "peak_recent_blocks": self.blocks.pools[RECENT].peak_used,
             "kv_host_allocated_bytes": self.cache.host_allocated_bytes,
             "kv_fetched_bytes": self.cache.fetched_bytes,
+            "kv_rescored_bytes": self.cache.rescored_bytes,
             # K/V values beyond their stream's range (saturated), of those checked
             # (kvtune/runtime/clip_counter.py: per-tensor and E4M3-group-scaled streams).
             "kv_clipped_values": self.cache.clips.clipped,

@@ -105,6 +105,11 @@ class KVCache:
         """Bytes copied from the host tier to the device so far."""
         return self.fetch.fetched_bytes
 
+    @property
+    def rescored_bytes(self) -> int:
+        """Host-tier key bytes read so far to rescore shortlists (policy.csa_rescore)."""
+        return self.selection.rescored_bytes
+
     def layout(
         self,
         kvs: list[SequenceKV],
@@ -170,9 +175,21 @@ class KVCache:
         if plan is not None and plan.reselects and self.layer_topk[layer]:
             # Kept from the first step on, before any block is old enough to select.
             scored = scoring_queries(plan, layer, scored)
+        exact = scored  # csa_rescore scores the host tier's keys, in the cache's space
+        rescores_rotated = self.policy.csa_rescore > 1 and rotation.keys is not None
+        if rescores_rotated and self.policy.separate_index:
+            exact = rotate_queries(scored, rotation.keys)
         if index is not None and self.policy.selects:
             self.selection.select(
-                layer, layout, scored, positions, scale, streams, index, self.ops.index_products
+                layer,
+                layout,
+                scored,
+                exact,
+                positions,
+                scale,
+                streams,
+                index,
+                self.ops.index_products,
             )
         if self.kept is not None:
             self._keep(layer, layout, q, scale, streams)

@@ -203,6 +203,7 @@ def quest_attention(
     scale: float,
     topk: int | None = None,
     select_every: int = 1,
+    rescore: int = 1,
 ) -> torch.Tensor:
     """[N, Hq, D]: attention without summaries from its definition (Quest). Query p reads the
     sinks, the window (the layout decode holds when p arrives: a block has left it once
@@ -211,7 +212,9 @@ def quest_attention(
     largest score max over its query heads: with csa_index bounds sum_d max(q_d hi_d, q_d lo_d),
     hi / lo the per-channel key max / min of the block; with means q.m, m the mean of the
     block's keys. Nothing of the other older blocks. With select_every = N, the scores are
-    those of the query at p - p % N (LServe's reused selection), over the blocks p sees."""
+    those of the query at p - p % N (LServe's reused selection), over the blocks p sees. With
+    rescore = R > 1 (two-stage), the R x topk best by that score are a shortlist, and the topk
+    of it whose keys give the anchor's query heads the largest logit are read."""
     sinks, bs, window = policy.csa_sinks, policy.block_size, policy.csa_window
     topk = policy.csa_topk if topk is None else topk
     num_q, kv_heads, per_kv = q.shape[0], k.shape[1], q.shape[1] // k.shape[1]
@@ -233,7 +236,12 @@ def quest_attention(
                     anchor[:, None, :] * blocks.amax(1)[None],
                     anchor[:, None, :] * blocks.amin(1)[None],
                 ).sum(-1)
-            for block in score.amax(0).topk(min(topk, older)).indices.tolist():
+            shortlist = score.amax(0).topk(min(rescore * topk, older)).indices
+            if rescore > 1:
+                exact = (anchor @ blocks[shortlist].flatten(0, 1).T).view(per_kv, -1, bs)
+                best = exact.amax(-1).amax(0).topk(min(topk, len(shortlist))).indices
+                shortlist = shortlist[best]
+            for block in shortlist.tolist():
                 seen[sinks + block * bs : sinks + (block + 1) * bs] = True
             logits = queries @ keys[: p + 1, h][seen].T * scale
             out[p, h * per_kv : (h + 1) * per_kv] = logits.softmax(-1) @ values[: p + 1, h][seen]
@@ -384,6 +392,65 @@ def test_a_reused_choice_is_the_quest_selection_of_the_anchor_query(
         assert fetched[len(prompt)] > 0
     else:
         assert len(set(fetched.values())) == 1 and fetched[len(prompt)] > 0
+
+
+@pytest.mark.parametrize(
+    ("index", "index_dtype", "staging"),
+    [
+        ("bounds", "auto", "resident"),
+        ("bounds", "fp16", "streamed"),
+        ("means", "auto", "resident"),
+    ],
+)
+def test_a_rescored_choice_is_the_shortlist_best_by_exact_keys(
+    tiny_llama, index, index_dtype, staging
+):
+    """csa_rescore = 3: every layer's attention output over a chunked prefill and decode steps
+    equals the two-stage rule computed here (3 x topk shortlisted by the index, topk of them
+    kept by their keys' largest logit), and neither one-stage rule (topk, or 3 x topk); each
+    decode step reads the keys of at least one head's shortlist and at most every head's
+    from the host tier, and fetches at most topk blocks a KV head."""
+    policy = QUEST.replace(
+        csa_topk=2,
+        csa_rescore=3,
+        csa_index=index,
+        csa_index_dtype=index_dtype,
+        csa_staging=staging,
+    )
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
+    prompt = random_tokens(120, seed=23)
+    engine = llm.engine
+    seen, _ = prefill_and_decode(llm, prompt, 3)
+    for layer in seen:
+        assert quest_error(seen[layer], policy, rescore=3) <= 1e-5, layer
+        assert quest_error(seen[layer], policy) > 1e-4, layer
+        assert quest_error(seen[layer], policy, topk=6) > 1e-4, layer
+    heads, layers = llm.arch.num_kv_heads, llm.arch.num_layers
+    key_block = BLOCK * heads * llm.arch.head_dim * 2  # fp16 keys of one block, every head
+    read = engine.stats()["kv_rescored_bytes"] / key_block / 3 / layers  # blocks a layer a step
+    assert 6 <= read <= 6 * heads
+
+
+def test_a_rotated_cache_rescores_with_rotated_queries(tiny_llama):
+    """With rotated int8 K/V and a separate fp16 index in the model's basis, the shortlist is
+    scored by unrotated queries and its host-tier keys by rotated ones: each layer's output is
+    near the two-stage rule computed here in the model's basis (int8 rounding apart), and far
+    from both one-stage rules, which a query in the wrong basis lands on."""
+    policy = QUEST.replace(
+        k_dtype="int8",
+        v_dtype="int8",
+        group_size=16,
+        rotation="hadamard",
+        csa_index_dtype="fp16",
+        csa_topk=2,
+        csa_rescore=3,
+    )
+    llm = LLM(str(tiny_llama), policy=policy, max_model_len=256)
+    seen, _ = prefill_and_decode(llm, random_tokens(120, seed=23), 3)
+    for layer in seen:
+        two_stage = quest_error(seen[layer], policy, rescore=3)
+        one_stage = min(quest_error(seen[layer], policy), quest_error(seen[layer], policy, topk=6))
+        assert two_stage < 0.1 and two_stage < one_stage / 2, (layer, two_stage, one_stage)
 
 
 def sampled_logits(llm: LLM, prompts: list[list[int]], new_tokens: int) -> list[torch.Tensor]:

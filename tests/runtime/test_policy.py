@@ -72,6 +72,8 @@ SELECTING = {"csa_ratio": 2, "csa_summary": "none", "csa_host": True}
             "policy.csa_select_every",
         ),
         ({"csa_ratio": 4, "csa_select_every": 4}, "policy.csa_select_every"),
+        ({"csa_ratio": 4, "csa_topk": 8, "csa_host": True, "csa_rescore": 0}, "policy.csa_rescore"),
+        ({"csa_ratio": 4, "csa_rescore": 4}, "policy.csa_rescore"),
         (
             {"csa_ratio": 4, "csa_topk": 8, "csa_host": True, "layer_csa_select_every": [0, 2]},
             "policy.layer_csa_select_every[0]",

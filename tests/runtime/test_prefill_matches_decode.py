@@ -164,6 +164,15 @@ POLICIES["csa_select_streamed_every_4"] = POLICIES["csa_select_channel_keys_int4
 POLICIES["csa_select_every_3_in_layer_0"] = POLICIES["csa_select_no_summaries"].replace(
     layer_csa_select_every=(3, 1)
 )
+# Two-stage selection: 3 x topk shortlisted on a separate int4 index in the model's basis,
+# decided by the rotated int4 host tier's keys (queries rotated for them); and with reuse, by
+# the anchors' queries.
+POLICIES["csa_select_rescored"] = POLICIES["csa_select_channel_keys_int4_index"].replace(
+    csa_rescore=3
+)
+POLICIES["csa_select_rescored_every_3"] = POLICIES["csa_select_no_summaries"].replace(
+    csa_rescore=2, csa_select_every=3
+)
 PROMPT = random_tokens(90, seed=3)
 OTHERS = [random_tokens(70, seed=4), random_tokens(41, seed=5)]
 

@@ -110,6 +110,7 @@ def _engine_policy(
         csa_staging=_DEFAULT_POLICY.csa_staging,
         csa_select_every=1,
         layer_csa_select_every=None,
+        csa_rescore=1,
         csa_keep=0.0,
     )
 
@@ -389,6 +390,11 @@ def _policy_gaps(policy: KVPolicy, arch: ModelArch, formats_exported: bool) -> l
             if policy.layer_csa_select_every:
                 by_layer = ", ".join(map(str, policy.layer_csa_select_every))
                 index += f" where a layer's N says so (by layer: {by_layer})"
+        if policy.csa_rescore > 1:
+            index += (
+                f", {policy.csa_rescore} x the budget shortlisted there and decided by their "
+                "exact keys in the host tier"
+            )
         budget = f"{policy.csa_topk} older blocks"
         if policy.layer_csa_topk:
             budget = (

@@ -73,6 +73,7 @@ PLAIN_FIELDS = (
     "csa_staging",
     "csa_select_every",
     "layer_csa_select_every",
+    "csa_rescore",
     "csa_keep",
 )
 

@@ -67,6 +67,7 @@ def canonical(policy: KVPolicy) -> KVPolicy:
             csa_staging=_DEFAULTS.csa_staging,
             csa_select_every=1,
             layer_csa_select_every=None,
+            csa_rescore=1,
         )
     if not policy.pooled_index:
         changes.update(csa_index_dtype=INDEX_IN_LAYER_FORMAT)

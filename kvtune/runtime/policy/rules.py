@@ -187,6 +187,12 @@ REUSE_NEEDS_SELECTION = Rule(
         "csa_topk > 0 (it reuses a selection)"
     ),
 )
+RESCORE_NEEDS_SELECTION = Rule(
+    reads=("csa_rescore", "csa_topk"),
+    holds=lambda f: f["csa_rescore"] == 1 or selects(f),
+    blame="csa_rescore",
+    allowed="1 unless csa_topk > 0 (it rescores a selection's shortlist)",
+)
 HOST_TIER_NEEDS_SELECTION = Rule(
     reads=("csa_host", "csa_topk"),
     holds=lambda f: not f["csa_host"] or selects(f),
@@ -335,6 +341,7 @@ RULES: tuple[Rule, ...] = (
     SELECTION_NEEDS_THE_HOST_TIER,
     STREAMED_STAGING_NEEDS_SELECTION,
     REUSE_NEEDS_SELECTION,
+    RESCORE_NEEDS_SELECTION,
     HOST_TIER_NEEDS_SELECTION,
     CHANNEL_KEYS_NEED_WHOLE_BLOCKS,
     *KEEP_RULES,

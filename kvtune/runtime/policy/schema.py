@@ -118,6 +118,10 @@ class KVPolicy:
         accuracy measures what decode does. The lag costs recall where one query retrieves
         (SmolLM2 held out: 0.959 at 1, 0.941 at 2, 0.772 at 4; benchmarks/RESULTS.md, "CSA pooling
         and selection").
+    csa_rescore: N > 1 makes selection two-stage: the index shortlists N x the layer's budget
+        of blocks, and each KV head keeps the budget whose exact keys (the host tier's) give
+        any of its query heads the largest logit (kvtune/kernels/selection/rescore.py). Costs
+        no device bytes; a decode step reads the shortlist's keys from the host tier.
     layer_csa_select_every: optional N per layer overriding csa_select_every (then their
         largest): reuse where layers attend locally, choose at every query where they retrieve.
     csa_keep: fraction of older blocks kept exact on the device beside their summaries, chosen
@@ -162,6 +166,7 @@ class KVPolicy:
     csa_staging: str = _checked(RESIDENT_STAGING, one_of(CSA_STAGINGS))
     csa_select_every: int = _checked(1, at_least(1))
     layer_csa_select_every: tuple[int, ...] | None = _checked(None, layers.layer_ints(1))
+    csa_rescore: int = _checked(1, at_least(1))
     csa_keep: float = _checked(0.0, keep_fraction)
     block_size: int = _checked(16, one_of(BLOCK_SIZES))
     chunk_size: int = _checked(512, at_least(1))
