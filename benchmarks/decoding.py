@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -31,3 +32,15 @@ def finish_running(engine: Engine) -> None:
     """End every running request (the timed steps are taken; the engine is reused)."""
     for seq in list(engine.scheduler.running):
         engine.scheduler.finish(seq)
+
+
+def paired_medians(engines: Sequence[Engine], steps: int) -> list[float]:
+    """Median seconds of a decode step of each engine over `steps` steps taken in turns, so
+    that a shared machine's load drifts into every median alike."""
+    times: list[list[float]] = [[] for _ in engines]
+    for _ in range(steps):
+        for engine, taken in zip(engines, times, strict=True):
+            started = time.perf_counter()
+            engine.step()
+            taken.append(time.perf_counter() - started)
+    return [sorted(taken)[len(taken) // 2] for taken in times]

@@ -12,7 +12,7 @@ interrupted run resumes where it stopped. Writes the PNG (--out) and prints the 
 
     .venv/bin/python -m benchmarks.niah_heatmap [--model qwen2.5-coder-0.5b]
         [--contexts 2048,4096,8192,16384] [--docs 2] [--depths 5]
-        [--policy "<a benchmarks.compression policy>"] [--out benchmarks/figures/niah.png]
+        [--policy "<a benchmarks.compression policy>" ...] [--out benchmarks/figures/niah.png]
         [--markdown]
 """
 
@@ -29,6 +29,7 @@ import matplotlib
 from rich.console import Console
 
 from benchmarks.compression import POLICIES
+from benchmarks.formats import bytes_ratio
 from benchmarks.tables import print_rows
 from kvtune.autotune.cache import JsonCache, code_key, default_cache_folder, key_digest
 from kvtune.autotune.evaluation.lm_backend import KVTuneLM
@@ -36,6 +37,7 @@ from kvtune.autotune.evaluation.shared_generation import cut_at_stops, greedy_ge
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.task_files import generate_rows
 from kvtune.autotune.evaluation.tasks.greedy import MAX_GEN_TOKENS, STOP
+from kvtune.runtime.arch import arch_from_folder
 from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -148,17 +150,22 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=2, help="haystacks a context (keys a cell)")
     parser.add_argument("--depths", type=int, default=5, help="depth bands (doors a haystack)")
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--policy", default=DEFAULT_POLICY)
+    parser.add_argument(
+        "--policy", action="append", help=f"repeatable; default: {DEFAULT_POLICY!r}"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/figures/niah.png"))
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    if args.policy not in POLICIES:
-        parser.error(f"--policy: unknown {args.policy!r}; known: {', '.join(POLICIES)}")
+    names = args.policy or [DEFAULT_POLICY]
+    unknown = [name for name in names if name not in POLICIES]
+    if unknown:
+        parser.error(f"--policy: unknown {unknown}; known: {', '.join(POLICIES)}")
     contexts = [int(c) for c in args.contexts.split(",")]
-    policies = {FP16: KVPolicy("fp16", "fp16"), args.policy: POLICIES[args.policy]}
+    policies = {FP16: KVPolicy("fp16", "fp16"), **{name: POLICIES[name] for name in names}}
     cache = JsonCache(default_cache_folder("niah"))
     grids: dict[str, list[list[float]]] = {name: [] for name in policies}
     lines = []
+    arch = arch_from_folder(resolve_model(args.model))
     for context in contexts:
         rows = needle_rows(args.model, context, args.docs, args.depths, args.seed)
         for name, policy in policies.items():
@@ -166,11 +173,11 @@ def main() -> None:
             shares = band_shares(rows, hits, args.depths)
             grids[name].append(shares)
             lines.append(
-                [str(context), name, *(f"{s:.2f}" for s in shares), f"{sum(hits)}/{len(hits)}"]
-                + [f"{seconds:.0f}"]
+                [str(context), name, f"{bytes_ratio(arch, policy, context):.3f}"]
+                + [*(f"{s:.2f}" for s in shares), f"{sum(hits)}/{len(hits)}", f"{seconds:.0f}"]
             )
             print(" | ".join(lines[-1]), flush=True)
-    headers = ["context", "policy"]
+    headers = ["context", "policy", "device bytes / fp16"]
     headers += [f"depth {(b + 0.5) / args.depths:.0%}" for b in range(args.depths)]
     headers += ["keys answered", "seconds"]
     print_rows(headers, lines, args.markdown, Console())
