@@ -45,3 +45,22 @@ def test_model_path_is_the_model_evaluated(tmp_path, kvtune_cache, tiny_model_fo
     output = json.loads(result.stdout)
     assert output["model"] == str(tiny_model_folder)
     assert output["policy"]["k_dtype"] == "fp8" and output["accuracy_retention"] > 0
+
+
+def test_a_budget_reading_the_whole_suite_context_is_refused_before_the_model_loads(
+    tmp_path, kvtune_cache
+):
+    # The quick suite's context is 2048 tokens: 16 sinks + 512 window + 100 x 16 read it all.
+    result = run_kvtune(
+        "evaluate",
+        "model=smollm2-135m",
+        "policy.csa_ratio=4",
+        "policy.csa_topk=100",
+        "policy.csa_host=true",
+        cwd=tmp_path,
+        cache=kvtune_cache,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    line = result.stderr.strip()
+    assert line.startswith("kvtune evaluate: error: policy.csa_topk=100 is invalid: at most")
+    assert len(line.splitlines()) == 1

@@ -216,6 +216,11 @@ def test_table_output_is_readable():
         ("serve.gpu_memory_utilization=1.5", "serve.gpu_memory_utilization"),
         ("model.num_kv_heads=4", "model.num_kv_heads"),
         ("model.path=/nonexistent", "model.path"),
+        # A selection budget that reads the whole context (16 + 512 + 100 x 16 >= 2048).
+        (
+            "serve.max_model_len=2048 policy.csa_ratio=4 policy.csa_topk=100 policy.csa_host=true",
+            "policy.csa_topk",
+        ),
         ("format=xml", "format"),
     ],
 )

@@ -102,6 +102,7 @@ def evaluate_task(cfg: DictConfig) -> None:
     from kvtune.autotune.evaluation import evaluate, load_suite
 
     suite = load_suite({**OmegaConf.to_container(cfg.eval, resolve=True), "model": model})
+    policy.check_context(suite.context_tokens, "eval.context_tokens")
     # Libraries may print; stdout carries only the result.
     cache = Path(cfg.cache).expanduser() if cfg.cache else None
     with contextlib.redirect_stdout(sys.stderr):

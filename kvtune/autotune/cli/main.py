@@ -70,9 +70,9 @@ def plan_task(cfg: DictConfig) -> None:
         raise ConfigError("format", cfg.format, f"one of {', '.join(OUTPUT_FORMATS)}")
     command_line = HydraConfig.get().overrides.task
     arch = build_model_arch(cfg.model, command_line)
-    plan = build_plan(
-        arch, build_policy(cfg.policy), build_device(cfg.device), build_serve(cfg.serve)
-    )
+    policy, serve = build_policy(cfg.policy), build_serve(cfg.serve)
+    policy.check_context(serve.max_model_len, "serve.max_model_len")
+    plan = build_plan(arch, policy, build_device(cfg.device), serve)
     if cfg.format == "json":
         print(plan_json(plan))
     else:

@@ -268,6 +268,20 @@ class KVPolicy:
         keys: the stream holds keys (k_scale_axis applies)."""
         return storage.kv_format(self, dtype, auto_dtype, keys)
 
+    def check_context(self, tokens: int, field: str) -> None:
+        """Refuse a selection budget that reads a whole `tokens`-token context: sinks, window
+        and csa_topk blocks would hold every token, so selection would choose nothing (and the
+        bytes would be no test of it)."""
+        read = self.csa_sinks + self.csa_window + self.csa_topk * self.block_size
+        if self.selects and read >= tokens:
+            most = max(0, (tokens - 1 - self.csa_sinks - self.csa_window) // self.block_size)
+            raise ConfigError(
+                "policy.csa_topk",
+                self.csa_topk,
+                f"at most {most} at {field}={tokens} (csa_sinks + csa_window + csa_topk x "
+                f"block_size = {read} tokens would read the whole context)",
+            )
+
     def check_model(self, arch: ModelArch) -> None:
         """Refuse settings this model cannot hold (before its weights are loaded)."""
         storage.check_model(self, arch)
