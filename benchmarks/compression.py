@@ -205,6 +205,12 @@ POLICIES: dict[str, KVPolicy] = {
         )
         for tier, staging in (("host", "resident"), ("streamed", "streamed"))
     },
+    # What limits the selecting rows at long context: the 4-bit cache alone, and selection
+    # alone over an fp16 cache (its bounds in the fp16 pools).
+    "int4 K channel / V rotated": INT4_CHANNEL,
+    "fp16 w256 + top80 host no summaries": _csa(
+        FP16, 2, 256, csa_topk=80, csa_host=True, csa_summary="none"
+    ),
     "K int8 / V int4 g64 rotated": K8V4,
     "K int8 / V int4 rotated csa16 w256 + top64 host": _csa(
         K8V4, 16, 256, csa_topk=64, csa_host=True
