@@ -22,7 +22,7 @@ import torch
 
 from kvtune.kernels.attention.paged import PagedStream
 from kvtune.kernels.selection.blocks import IndexProducts, select_blocks
-from kvtune.kernels.selection.rescore import key_block_bytes, rescore_decode, rescore_prefill
+from kvtune.kernels.selection.rescore import rescore_decode, rescore_prefill
 from kvtune.runtime.block_manager import SequenceKV
 from kvtune.runtime.cache_pools import LayerPools
 from kvtune.runtime.host_fetch import HostFetch
@@ -33,7 +33,8 @@ from kvtune.runtime.step_layout import StepLayout, block_table, int32_tensor
 
 class BlockSelection:
     """Selection for every layer: layer_topk and layer_every are each layer's budget and
-    csa_select_every; `fetch` moves the chosen blocks."""
+    csa_select_every; `fetch` moves the chosen blocks; key_bytes: one block's keys in each
+    layer (what rescoring reads of it)."""
 
     def __init__(
         self,
@@ -42,6 +43,7 @@ class BlockSelection:
         fetch: HostFetch,
         layer_topk: list[int],
         layer_every: list[int],
+        key_bytes: list[int],
         device: torch.device,
     ) -> None:
         self.policy = policy
@@ -49,6 +51,7 @@ class BlockSelection:
         self.fetch = fetch
         self.layer_topk = layer_topk
         self.layer_every = layer_every
+        self.key_bytes = key_bytes
         self.device = device
         # Host-tier key bytes decode steps read to rescore their shortlists (csa_rescore > 1).
         self.rescored_bytes = 0
@@ -99,7 +102,7 @@ class BlockSelection:
         if positions is not None and self.fetch.host_is_remote(host):
             host = self.fetch.fetch_for_prefill(layer, host)
         if policy.csa_rescore > 1 and not reuses:
-            chosen = self._rescored(exact_q, positions, layout, host, chosen, topk)
+            chosen = self._rescored(layer, exact_q, positions, layout, host, chosen, topk)
         if policy.summarises:
             streams[summary_key] = dataclasses.replace(
                 streams[summary_key], query_mask=~chosen.repeat_interleave(per_block, dim=2)
@@ -128,6 +131,7 @@ class BlockSelection:
 
     def _rescored(
         self,
+        layer: int,
         q: torch.Tensor,
         positions: torch.Tensor | None,
         layout: StepLayout,
@@ -139,7 +143,7 @@ class BlockSelection:
         if positions is not None:
             return rescore_prefill(q, positions, layout.q_seq_starts, host, shortlist, topk)
         picks, blocks_read = rescore_decode(q, host, shortlist, topk)
-        self.rescored_bytes += blocks_read * key_block_bytes(host.k)
+        self.rescored_bytes += blocks_read * self.key_bytes[layer]
         return picks
 
     def _last_choices(self, layer: int, kvs: list[SequenceKV]) -> torch.Tensor | None:

@@ -76,8 +76,9 @@ class KVCache:
         self.fetch = HostFetch(
             self.layers, blocks.staging_kind, self.layer_topk, layer_bytes, device
         )
+        key_bytes = [layer_block_bytes(arch, f.k, None, policy.block_size) for f in all_formats]
         self.selection = BlockSelection(
-            policy, self.layers, self.fetch, self.layer_topk, self.layer_every, device
+            policy, self.layers, self.fetch, self.layer_topk, self.layer_every, key_bytes, device
         )
 
     def _summary_alignments(self, inv_freq: torch.Tensor | None) -> list[torch.Tensor | None]:

@@ -25,14 +25,7 @@ import torch
 from kvtune.kernels.attention.paged import PagedStream
 from kvtune.kernels.attention.paged_torch import group_keys
 from kvtune.kernels.attention.query_groups import query_groups
-from kvtune.kernels.cache.pool import KVPool, read_blocks_into
-
-
-def key_block_bytes(pool: KVPool) -> int:
-    """Bytes one block of `pool` stores (codes and scales, every head)."""
-    codes = pool.codes[0].numel() * pool.codes.element_size()
-    scales = 0 if pool.scales is None else pool.scales[0].numel() * pool.scales.element_size()
-    return codes + scales
+from kvtune.kernels.cache.pool import read_blocks_into
 
 
 def rescore_decode(
@@ -43,7 +36,8 @@ def rescore_decode(
     space); shortlist bool [S, Hkv, blocks] (index order: block j is the host stream's j-th)."""
     seqs, kv_heads, _ = shortlist.shape
     either = shortlist.any(dim=1)  # [S, blocks]: each block read once for all its KV heads
-    width = int(either.sum(dim=1).max())
+    counts = either.sum(dim=1).tolist()  # one host sync for both the width and the total
+    width = max(counts)
     if width == 0:
         return shortlist, 0
     read = either.to(torch.int8).topk(width, dim=-1, sorted=False).indices  # [S, U]
@@ -60,7 +54,7 @@ def rescore_decode(
     kept = torch.zeros_like(listed).scatter(-1, keep, True) & listed
     picks = torch.zeros_like(shortlist)
     picks.scatter_(2, read[:, None, :].expand(-1, kv_heads, -1), kept)
-    return picks, int(either.sum())
+    return picks, sum(counts)
 
 
 def rescore_prefill(
