@@ -40,6 +40,7 @@ POOLS: dict[str, list[Any]] = {
     "csa_host": [False, True],
     "csa_staging": list(CSA_STAGINGS),
     "csa_select_every": [1, 4],
+    "csa_rescore": [1, 4],
     "layer_csa_select_every": [None, (1, 4)],
     "csa_keep": list(KEEP_FRACTIONS),
     "block_size": list(BLOCK_SIZES),
