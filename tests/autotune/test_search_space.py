@@ -3,6 +3,8 @@
 import optuna
 import pytest
 
+from kvtune.autotune.search.attention_profile import AttentionProfile, Geometry
+from kvtune.autotune.search.profiles import Profiles
 from kvtune.autotune.search.sensitivity import group_layers
 from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.runtime.arch import ModelArch
@@ -112,20 +114,113 @@ def test_missing_knob_is_named():
         SearchConfig.from_dict(data, ARCH)
 
 
-def test_warm_starts_cover_the_standard_points():
+def test_without_profiles_the_starts_are_the_baseline_and_4bit_codes():
     starts = space().warm_starts()
-    assert list(starts) == ["baseline", "all-fp8", "fp4-shallow-fp8-deep", "k-fp8-v-fp4"]
+    assert list(starts) == ["baseline", "profile-formats"]
     search = space()
     baseline = search.policy(starts["baseline"])
     assert baseline.layer_pairs(6) == [("fp16", "fp16")] * 6 and not baseline.compressed
-    mixed = search.policy(starts["fp4-shallow-fp8-deep"]).layer_pairs(6)
-    assert mixed[:2] == [("fp4", "fp4")] * 2 and mixed[4:] == [("fp8", "fp8")] * 2
-    assert search.policy(starts["k-fp8-v-fp4"]).layer_pairs(6) == [("fp8", "fp4")] * 6
+    assert search.policy(starts["profile-formats"]).layer_pairs(6) == [("fp4", "fp4")] * 6
 
 
-def test_warm_starts_the_space_cannot_express_are_left_out():
+def test_without_4bit_candidates_only_the_baseline_starts():
     starts = space(k_dtype=["fp16", "fp8"], v_dtype=["fp16", "fp8"]).warm_starts()
-    assert list(starts) == ["baseline", "all-fp8"]
+    assert list(starts) == ["baseline"]
+
+
+def test_a_group_whose_fp4_cost_stands_out_starts_at_the_precise_dtype():
+    """A dtype group whose mean fp4 cost is over PROTECT_RATIO (4) times the median layer's
+    keeps fp16 in the formats start; the others take 4-bit codes."""
+    config = SearchConfig.from_dict({**SEARCH, "k_dtype": ["fp16", "int4"]}, ARCH)
+    costs = (0.01, 0.02, 0.02, 0.03, 0.05, 0.5)  # median 0.025; groups' means .015 .025 .275
+    search = SearchSpace(config, GROUPS, 6, Profiles(sensitivity=costs))
+    pairs = search.policy(search.warm_starts()["profile-formats"]).layer_pairs(6)
+    assert pairs == [("int4", "fp4")] * 4 + [("fp16", "fp16")] * 2
+    flat = (0.01, 0.02, 0.02, 0.03, 0.05, 0.09)  # .07 < 4 x .025: nothing stands out
+    search = SearchSpace(config, GROUPS, 6, Profiles(sensitivity=flat))
+    pairs = search.policy(search.warm_starts()["profile-formats"]).layer_pairs(6)
+    assert pairs == [("int4", "fp4")] * 6
+
+
+SELECTING = dict(
+    k_dtype=["fp16", "int4"],
+    v_dtype=["fp16", "int4"],
+    group_size=[32, 64],
+    scale_dtype=["fp16"],
+    k_scale_axis=["token", "channel"],
+    rotation=["none", "hadamard"],
+    csa_ratio=[1, 2],
+    csa_window=[256, 512],
+    csa_sinks=[16],
+    csa_topk=[0, 16, 48],
+    csa_topk_share=[0.5, 1],
+    csa_select_every=[1, 4],
+    csa_summary=["pre_rope", "none"],
+    csa_index_dtype=["auto", "int4"],
+    csa_staging=["resident", "streamed"],
+    block_size=[16, 32],
+    chunk_size=[256],
+)
+
+
+def attention(need, overlap, outlier) -> AttentionProfile:
+    return AttentionProfile(
+        Geometry(4096, 16, 256, 16), (0.5,) * 6, tuple(need), tuple(overlap), (outlier,) * 6
+    )
+
+
+def test_the_selecting_start_reads_its_budgets_reuse_and_key_axis_off_the_profile():
+    """Layers grouped by the blocks they need; csa_topk the neediest group's mean need, each
+    group its need over that (rounded up to hundredths), reused (4) where its choices persist
+    (overlap >= 0.8), per-channel keys where the median layer's key outliers are >= 2."""
+    profile = attention([70, 10, 40, 12, 38, 80], [0.5, 0.9, 0.85, 0.95, 0.9, 0.7], 5.0)
+    search = SearchSpace(
+        SearchConfig.from_dict({**SEARCH, **SELECTING}, ARCH), GROUPS, 6, Profiles(None, profile)
+    )
+    assert search.selection_groups == ((1, 3), (2, 4), (0, 5))
+    assert search.knobs["csa_topk"] == (0, 16, 48, 75)  # the groups' needs: 11, 39, 75
+    assert search.distributions()["csa_topk_share_s0"].choices == (0.15, 0.5, 1)  # 11/75
+    assert search.distributions()["csa_topk_share_s1"].choices == (0.5, 0.52, 1)  # 39/75
+    policy = search.policy(search.warm_starts()["profile-selecting"])
+    assert policy.layer_topk(6) == [75, 12, 39, 12, 39, 75]  # ceil(75 x 0.15), ceil(75 x .52)
+    assert policy.layer_select_every(6) == [1, 4, 4, 4, 4, 1]
+    assert (policy.csa_ratio, policy.csa_window, policy.csa_sinks, policy.block_size) == (
+        2,
+        256,
+        16,
+        16,
+    )
+    assert policy.k_scale_axis == "channel" and policy.csa_summary == "none"
+    assert policy.csa_index_dtype == "int4" and policy.rotation == "hadamard"
+    assert policy.layer_pairs(6) == [("int4", "int4")] * 6 and policy.csa_staging == "resident"
+    streamed = search.policy(search.warm_starts()["profile-selecting-streamed"])
+    assert streamed == policy.replace(csa_staging="streamed")
+
+
+def test_two_profiles_give_different_spaces_and_starts():
+    config = SearchConfig.from_dict({**SEARCH, **SELECTING}, ARCH)
+    local = attention([70, 10, 40, 12, 38, 80], [0.5, 0.9, 0.85, 0.95, 0.9, 0.7], 5.0)
+    other = attention([5, 60, 6, 30, 31, 62], [0.9] * 6, 1.2)
+    first, second = (SearchSpace(config, GROUPS, 6, Profiles(None, p)) for p in (local, other))
+    assert first.selection_groups != second.selection_groups
+    assert first.distributions() != second.distributions()
+    one, two = (s.policy(s.warm_starts()["profile-selecting"]) for s in (first, second))
+    assert one.layer_topk(6) != two.layer_topk(6)
+    assert one.layer_select_every(6) != two.layer_select_every(6)
+    assert (one.k_scale_axis, two.k_scale_axis) == ("channel", "token")
+
+
+def test_a_start_whose_knobs_are_not_candidates_is_left_out():
+    profile = Profiles(None, attention([70, 10, 40, 12, 38, 80], [0.9] * 6, 5.0))
+
+    def starts(**changes) -> list[str]:
+        config = SearchConfig.from_dict({**SEARCH, **SELECTING, **changes}, ARCH)
+        return list(SearchSpace(config, GROUPS, 6, profile).warm_starts())
+
+    assert starts(csa_ratio=[1]) == ["baseline", "profile-formats"]  # no compression
+    assert "profile-selecting-streamed" not in starts(csa_staging=["resident"])
+    # The profile measured a 256-token window: a space without it takes no selecting start.
+    assert "profile-selecting" not in starts(csa_window=[512])
 
 
 def test_canonical_merges_policies_that_store_the_same_cache():
@@ -186,15 +281,15 @@ def test_each_layer_group_reads_its_share_of_the_selection_budget():
         block_size=[16],
         chunk_size=[256],
     )
-    assert {f"csa_topk_share_g{i}" for i in range(3)} <= set(search.distributions())
+    assert {f"csa_topk_share_s{i}" for i in range(3)} <= set(search.distributions())
     assert "csa_topk_share" not in search.distributions()
-    params = {"csa_topk_share_g0": 0.25, "csa_topk_share_g1": 0, "csa_topk_share_g2": 0.25}
+    params = {"csa_topk_share_s0": 0.25, "csa_topk_share_s1": 0, "csa_topk_share_s2": 0.25}
     pyramid = search.policy(params)
     assert pyramid.layer_csa_topk == (12, 12, 0, 0, 12, 12) and pyramid.csa_topk == 12
     assert pyramid.csa_host and pyramid.csa_summary == "none"
-    uniform = search.policy({f"csa_topk_share_g{i}": 1 for i in range(3)})
+    uniform = search.policy({f"csa_topk_share_s{i}": 1 for i in range(3)})
     assert uniform.layer_csa_topk is None and uniform.csa_topk == 48
-    nothing = search.policy({f"csa_topk_share_g{i}": 0 for i in range(3)})
+    nothing = search.policy({f"csa_topk_share_s{i}": 0 for i in range(3)})
     assert not nothing.selects and not nothing.csa_host and nothing.csa_summary == "pre_rope"
     draws = valid_draws(search, 60, seed=4)
     assert any(p.layer_csa_topk is not None for p in draws)
@@ -224,10 +319,10 @@ def test_each_layer_group_reuses_its_choice_for_its_own_positions():
         block_size=[16],
         chunk_size=[256],
     )
-    assert {f"csa_select_every_g{i}" for i in range(3)} <= set(search.distributions())
+    assert {f"csa_select_every_s{i}" for i in range(3)} <= set(search.distributions())
     assert "csa_select_every" not in search.distributions()
-    shares = {f"csa_topk_share_g{i}": share for i, share in enumerate((1, 1, 0))}
-    banded = search.policy({**shares, "csa_select_every_g0": 4, "csa_select_every_g1": 1})
+    shares = {f"csa_topk_share_s{i}": share for i, share in enumerate((1, 1, 0))}
+    banded = search.policy({**shares, "csa_select_every_s0": 4, "csa_select_every_s1": 1})
     by_layer = [0] * ARCH.num_layers
     for layer in GROUPS[0]:
         by_layer[layer] = 4
@@ -237,10 +332,10 @@ def test_each_layer_group_reuses_its_choice_for_its_own_positions():
     assert banded.csa_select_every == 4
     assert banded.layer_select_every(ARCH.num_layers) == by_layer
     # The group without selection drew 4 and still reuses nothing.
-    idle = search.policy({**shares, "csa_select_every_g2": 4})
+    idle = search.policy({**shares, "csa_select_every_s2": 4})
     assert idle.csa_select_every == 1 and idle.layer_csa_select_every is None
-    full = {f"csa_topk_share_g{i}": 1 for i in range(3)}
-    everywhere = search.policy({**full, **{f"csa_select_every_g{i}": 4 for i in range(3)}})
+    full = {f"csa_topk_share_s{i}": 1 for i in range(3)}
+    everywhere = search.policy({**full, **{f"csa_select_every_s{i}": 4 for i in range(3)}})
     assert everywhere.csa_select_every == 4 and everywhere.layer_csa_select_every is None
     draws = valid_draws(search, 60, seed=5)
     assert any(p.layer_csa_select_every is not None for p in draws)
@@ -311,27 +406,7 @@ def test_canonical_drops_a_key_scale_axis_that_no_key_uses():
     assert canonical(both).k_scale_axis == "channel" and canonical(both).group_size == 16
 
 
-def test_the_int4_start_needs_every_knob_it_sets():
-    knobs = dict(
-        k_dtype=["fp16", "fp8", "int4"],
-        v_dtype=["fp16", "fp8", "int4"],
-        group_size=[32, 64],
-        scale_dtype=["fp16"],
-        k_scale_axis=["token", "channel"],
-        rotation=["none", "hadamard"],
-        csa_ratio=[1],
-        block_size=[16, 32],
-    )
-    search = space(**knobs)
-    policy = search.policy(search.warm_starts()["int4-k-channel-rotated"])
-    expected = KVPolicy(
-        "int4", "int4", group_size=64, k_scale_axis="channel", rotation="hadamard", block_size=32
-    )
-    assert policy == canonical(expected.replace(chunk_size=policy.chunk_size))
-    assert "int4-k-channel-rotated" not in space(**{**knobs, "rotation": ["none"]}).warm_starts()
-
-
-def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
+def test_selection_draws_pair_topk_with_the_host_tier():
     """csa_topk > 0 always comes with csa_host (selected blocks live there) and with
     compression; without compression the selection knobs fall back to their defaults."""
     search = space(
@@ -342,10 +417,8 @@ def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
         block_size=[16],
         chunk_size=[256],
     )
-    policy = search.policy(search.warm_starts()["fp8-w256-top48-host-no-summaries"])
-    assert (policy.csa_ratio, policy.csa_window, policy.csa_topk) == (2, 256, 48)
+    policy = search.policy({"csa_ratio": 2, "csa_topk": 48, "csa_summary": "none"})
     assert policy.csa_host and policy.csa_index == "bounds" and policy.csa_summary == "none"
-    assert policy.layer_pairs(6) == [("fp8", "fp8")] * 6
     sampler = optuna.samplers.RandomSampler(seed=0)
     study = optuna.create_study(sampler=sampler)
     for _ in range(40):
@@ -353,52 +426,6 @@ def test_selection_warm_start_and_draws_pair_topk_with_the_host_tier():
         assert drawn.csa_host == drawn.selects == (drawn.csa_topk > 0)
         if not drawn.compressed:
             assert (drawn.csa_topk, drawn.csa_index, drawn.csa_summary) == (0, "bounds", "pre_rope")
-    assert "fp8-w256-top48-host-no-summaries" not in space().warm_starts()
-
-
-def test_the_4bit_selection_start_pairs_channel_keys_with_a_separate_index():
-    """The 4-bit host-tier start (0.18 of fp16's device bytes at 3K in
-    benchmarks/compression.py) is expressible only where every knob it sets is a candidate."""
-    knobs = dict(
-        k_dtype=["fp16", "int4"],
-        v_dtype=["fp16", "int4"],
-        group_size=[32, 64],
-        scale_dtype=["fp16"],
-        k_scale_axis=["token", "channel"],
-        rotation=["none", "hadamard"],
-        csa_ratio=[1, 2],
-        csa_window=[256],
-        csa_topk=[0, 80],
-        csa_summary=["pre_rope", "none"],
-        csa_index_dtype=["auto", "int4"],
-        block_size=[16],
-        chunk_size=[256],
-    )
-    search = space(**knobs)
-    policy = search.policy(search.warm_starts()["int4-k-channel-w256-top80-host-int4-index"])
-    expected = KVPolicy(
-        "int4",
-        "int4",
-        group_size=64,
-        k_scale_axis="channel",
-        rotation="hadamard",
-        block_size=16,
-        chunk_size=256,
-        csa_ratio=2,
-        csa_window=256,
-        csa_topk=80,
-        csa_host=True,
-        csa_summary="none",
-        csa_index_dtype="int4",
-    )
-    assert policy == canonical(expected.replace(csa_sinks=policy.csa_sinks))
-    without_index = space(**{**knobs, "csa_index_dtype": ["auto"]}).warm_starts()
-    assert "int4-k-channel-w256-top80-host-int4-index" not in without_index
-    # Its streamed twin needs csa_staging among the candidates.
-    assert "int4-k-channel-w256-top80-streamed-int4-index" not in search.warm_starts()
-    streaming = space(**knobs, csa_staging=["resident", "streamed"])
-    twin = streaming.warm_starts()["int4-k-channel-w256-top80-streamed-int4-index"]
-    assert streaming.policy(twin) == policy.replace(csa_staging="streamed")
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ class Services:
     tracking_uri: str
     artifact_root: Path
     evaluations: JsonCache | None
-    sensitivity: JsonCache
+    profiles: JsonCache  # the measured model profiles the search space derives from
 
     @classmethod
     def from_config(cls, mlflow_cfg: Mapping[str, Any], cache_cfg: Mapping[str, Any]) -> Services:
@@ -91,10 +91,8 @@ class Services:
         evaluations = (
             Path(folder) / "evaluations" if folder else default_cache_folder("evaluations")
         )
-        sensitivity = (
-            Path(folder) / "sensitivity" if folder else default_cache_folder("sensitivity")
-        )
-        return cls(uri, root, JsonCache(evaluations) if enabled else None, JsonCache(sensitivity))
+        profiles = Path(folder) / "profiles" if folder else default_cache_folder("profiles")
+        return cls(uri, root, JsonCache(evaluations) if enabled else None, JsonCache(profiles))
 
 
 def quiet_libraries() -> None:
@@ -190,7 +188,7 @@ def run_study(
     the same ones. Bookkeeping (MLflow, result files, the front table) never stops the study:
     see kvtune/autotune/study/bookkeeping.py.
     """
-    space = setup.search_space(services.sensitivity)
+    space = setup.search_space(services.profiles)
     study.sampler = make_sampler(settings, space, settings.seed)
     if command == "tune" and settings.warm_start and settings.sampler != "grid":
         enqueue_warm_starts(study, space, settings.n_trials)

@@ -17,15 +17,18 @@ import math
 from collections import ChainMap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import optuna
 from optuna.distributions import CategoricalDistribution
 
+from kvtune.autotune.search.attention_profile import Geometry
+from kvtune.autotune.search.profiles import Profiles, format_start, selection_start
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_dtypes import most_precise_first
-from kvtune.runtime.policy import NO_SUMMARY, PER_TENSOR, KVPolicy, canonical, rules
+from kvtune.runtime.policy import PER_TENSOR, KVPolicy, canonical, rules
 from kvtune.runtime.policy.rules import Rule
 from kvtune.runtime.policy.storage import check_group_size, check_rotation
 
@@ -51,10 +54,10 @@ KNOB_NAMES = (
     "chunk_size",
 )
 _DEFAULTS = KVPolicy()
-# Knobs drawn once per layer group (params "<knob>_g<i>"), beside the K and V dtypes: the
-# selection budget and how long a choice is reused, since layers that retrieve want many
-# blocks chosen at every query and layers that attend locally few, reused (benchmarks/RESULTS.md,
-# "CSA pooling and selection").
+# Knobs drawn once per selection group (params "<knob>_s<i>"): the selection budget and how
+# long a choice is reused, since layers that retrieve want many blocks chosen at every query and
+# layers that attend locally few, reused (benchmarks/RESULTS.md, "CSA pooling and selection").
+# The K and V dtypes are drawn once per dtype group ("k_dtype_g<i>").
 GROUP_KNOBS = ("csa_topk_share", "csa_select_every")
 # Knobs of the space that are not policy fields, with the value a conf/search without them
 # keeps: each layer group reads csa_topk * share blocks (rounded up; 0: none).
@@ -237,6 +240,22 @@ class SearchConfig:
                     )
 
     @property
+    def selects(self) -> bool:
+        """Whether some draw selects older blocks (compression and a budget among candidates)."""
+        return max(self.knobs["csa_topk"]) > 0 and max(self.knobs["csa_ratio"]) > 1
+
+    def profile_geometry(self, context: int) -> Geometry:
+        """Where the attention profile measures: the smallest window, and the sinks and block
+        size a draw takes by default."""
+
+        def usual(name: str) -> int:
+            default = _default(name)
+            return default if default in self.knobs[name] else min(self.knobs[name])
+
+        window = min(self.knobs["csa_window"])
+        return Geometry(context, usual("csa_sinks"), window, usual("block_size"))
+
+    @property
     def needs_sensitivity(self) -> bool:
         """Whether layer grouping needs the measured profile (1 group or `all` do not)."""
         return self.layer_groups != ALL_LAYERS and self.layer_groups > 1
@@ -256,29 +275,59 @@ class SearchConfig:
 class SearchSpace:
     """A SearchConfig with its layer groups resolved: what a trial samples.
 
-    groups: the layer indices of each group (group 0 the least fp4-sensitive when grouped by
-        sensitivity; layer order with `all`).
+    groups: the layer indices of each dtype group (group 0 the least fp4-sensitive when grouped
+        by sensitivity; layer order with `all`).
+    profiles: the measured profiles; with an attention profile the budget knobs are drawn per
+        selection group (layers grouped by the older blocks they need), each group's share
+        and csa_topk gain the profile's own candidates, and the warm starts derive from them.
     """
 
     config: SearchConfig
     groups: tuple[tuple[int, ...], ...]
     num_layers: int
+    profiles: Profiles = Profiles()
+
+    @cached_property
+    def selection_groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.profiles.selection_groups(len(self.groups), self.num_layers) or self.groups
+
+    @cached_property
+    def knobs(self) -> dict[str, tuple[Any, ...]]:
+        """The config's candidates, csa_topk with the profile's budget where the space selects."""
+        knobs = dict(self.config.knobs)
+        if self.profiles.attention is not None and self.config.selects:
+            budget = self.profiles.budget(self.selection_groups)
+            knobs["csa_topk"] = tuple(sorted({*knobs["csa_topk"], budget}))
+        return knobs
+
+    def _group_choices(self) -> dict[str, tuple[Any, ...]]:
+        """Every per-group param with its candidates."""
+        params = {}
+        for index in range(len(self.groups)):
+            params[f"k_dtype_g{index}"] = self.config.k_dtypes
+            params[f"v_dtype_g{index}"] = self.config.v_dtypes
+        shares = self.knobs["csa_topk_share"]
+        measured = (
+            self.profiles.shares(self.selection_groups)
+            if self.profiles.attention is not None and self.config.selects
+            else [None] * len(self.selection_groups)
+        )
+        for index, share in enumerate(measured):
+            choices = shares if share is None else tuple(sorted({*shares, share}))
+            params[f"csa_topk_share_s{index}"] = choices
+            params[f"csa_select_every_s{index}"] = self.knobs["csa_select_every"]
+        return params
 
     def distributions(self) -> dict[str, CategoricalDistribution]:
         """Every searched param (knobs with one candidate are fixed, not params)."""
-        params: dict[str, CategoricalDistribution] = {}
-        for name, choices in self.config.knobs.items():
-            if len(choices) > 1 and name not in GROUP_KNOBS:
-                params[name] = CategoricalDistribution(choices)
-        per_group = {
-            "k_dtype": self.config.k_dtypes,
-            "v_dtype": self.config.v_dtypes,
-            **{name: self.config.knobs[name] for name in GROUP_KNOBS},
+        params = {
+            name: CategoricalDistribution(choices)
+            for name, choices in self.knobs.items()
+            if len(choices) > 1 and name not in GROUP_KNOBS
         }
-        for index in range(len(self.groups)):
-            for name, choices in per_group.items():
-                if len(choices) > 1:
-                    params[f"{name}_g{index}"] = CategoricalDistribution(choices)
+        for name, choices in self._group_choices().items():
+            if len(choices) > 1:
+                params[name] = CategoricalDistribution(choices)
         return params
 
     def suggest(self, trial: optuna.Trial) -> KVPolicy:
@@ -296,15 +345,16 @@ class SearchSpace:
         true, where selection needs the host tier), or, for a format's scales, to the first
         scale_dtype and the smallest group_size candidate that keep the rule. Each rule reads
         the knobs settled before it."""
-        knobs = {name: params.get(name, choices[0]) for name, choices in self.config.knobs.items()}
+        knobs = {name: params.get(name, choices[0]) for name, choices in self.knobs.items()}
         fixed_share = knobs.pop("csa_topk_share")  # not a policy field: drawn per group
-        shares = [params.get(f"csa_topk_share_g{i}", fixed_share) for i in range(len(self.groups))]
+        groups = self.selection_groups
+        shares = [params.get(f"csa_topk_share_s{i}", fixed_share) for i in range(len(groups))]
         fields = ChainMap(knobs, vars(_DEFAULTS))  # what the rules read: the draw, else defaults
         _fall_back(fields, "csa_topk", [_DEFAULTS.csa_topk], [rules.SELECTION_NEEDS_COMPRESSION])
         budgets = [math.ceil(knobs["csa_topk"] * share) for share in shares]
         knobs["csa_topk"] = max(budgets)
         every = [  # a group that selects nothing reuses nothing
-            params.get(f"csa_select_every_g{i}", knobs["csa_select_every"]) if budget else 1
+            params.get(f"csa_select_every_s{i}", knobs["csa_select_every"]) if budget else 1
             for i, budget in enumerate(budgets)
         ]
         knobs["csa_select_every"] = max(every)
@@ -318,105 +368,67 @@ class SearchSpace:
         ):
             _fall_back(fields, name, [getattr(_DEFAULTS, name)], knob_rules)
         pairs = [""] * self.num_layers
-        layer_topk = [0] * self.num_layers
-        layer_every = [1] * self.num_layers
         for index, layers in enumerate(self.groups):
             k = params.get(f"k_dtype_g{index}", self.config.k_dtypes[0])
             v = params.get(f"v_dtype_g{index}", self.config.v_dtypes[0])
             for layer in layers:
                 pairs[layer] = f"{k}/{v}"
+        layer_topk = [0] * self.num_layers
+        layer_every = [1] * self.num_layers
+        for index, layers in enumerate(groups):
+            for layer in layers:
                 layer_topk[layer] = budgets[index]
                 layer_every[layer] = every[index]
         knobs["layer_dtypes"] = tuple(pairs)
-        scales = self.config.knobs["scale_dtype"]
-        groups = sorted(g for g in self.config.knobs["group_size"] if g != PER_TENSOR)
+        scales = self.knobs["scale_dtype"]
+        group_sizes = sorted(g for g in self.knobs["group_size"] if g != PER_TENSOR)
         _fall_back(fields, "scale_dtype", scales, FORMAT_FALLBACKS["scale_dtype"])
-        _fall_back(fields, "group_size", groups, FORMAT_FALLBACKS["group_size"])
+        _fall_back(fields, "group_size", group_sizes, FORMAT_FALLBACKS["group_size"])
         if knobs["csa_topk"]:
             knobs["layer_csa_topk"] = tuple(layer_topk)
             knobs["layer_csa_select_every"] = tuple(layer_every)
         return canonical(KVPolicy.from_dict(knobs))
 
     def warm_starts(self) -> dict[str, dict[str, Any]]:
-        """Params of the standard starting points that this space can express.
-
-        baseline: the most precise dtype everywhere, no compression; all-fp8; fp4 in the
-        shallow half of the layers (by group mean depth) with fp8 in the deep half; K fp8 with
-        V fp4; int4 with per-channel keys over 32-token blocks, values in groups of 64, both
-        Hadamard-rotated (0.30 of fp16's bytes; benchmarks/formats.py); fp8 with a 256-token window
-        and 48 older blocks a query selected from the host tier, no summaries (Quest; 0.21 of
-        fp16's device bytes at 3K tokens, benchmarks/compression.py); the same selection at 80
-        blocks over 4-bit codes, per-channel keys beside an int4 key-bounds index (0.18 of
-        fp16's device bytes at 3K tokens; 0.96 held out there). Other knobs take the
-        KVPolicy default where it is a candidate, else the first; a start whose own knob values
-        are not candidates is left out.
-        """
-        distributions = self.distributions()
+        """Params of the starting points that this space can express, derived from its profiles
+        (profiles.py), none typed in: the baseline (the most precise dtype everywhere, no
+        compression); `profile-formats`, 4-bit codes except in dtype groups whose fp4 cost
+        stands out; `profile-selecting`, those formats with selection at the attention
+        profile's budgets and reuse, and its `-streamed` twin (one staging pool the layers
+        share). Other knobs take the space's default where it is a candidate, else the first
+        (csa_ratio and recent_unquantized their smallest); a start whose own knobs are not all
+        candidates is left out."""
         fixed = {
             name: (_default(name) if _default(name) in choices else choices[0])
-            for name, choices in self.config.knobs.items()
+            for name, choices in self.knobs.items()
         }
-        fixed["csa_ratio"] = min(self.config.knobs["csa_ratio"])
-        fixed["recent_unquantized"] = min(self.config.knobs["recent_unquantized"])
-        depth = [sum(layers) / len(layers) for layers in self.groups]
-        median_depth = sorted(depth)[len(depth) // 2] if len(depth) > 1 else math.inf
-        precise = tuple(
-            most_precise_first(d)[0] for d in (self.config.k_dtypes, self.config.v_dtypes)
-        )
-        layouts = {
-            "baseline": [precise] * len(self.groups),
-            "all-fp8": [("fp8", "fp8")] * len(self.groups),
-            "fp4-shallow-fp8-deep": [
-                ("fp4", "fp4") if d < median_depth else ("fp8", "fp8") for d in depth
-            ],
-            "k-fp8-v-fp4": [("fp8", "fp4")] * len(self.groups),
-            "int4-k-channel-rotated": [("int4", "int4")] * len(self.groups),
-            "fp8-w256-top48-host-no-summaries": [("fp8", "fp8")] * len(self.groups),
-            "int4-k-channel-w256-top80-host-int4-index": [("int4", "int4")] * len(self.groups),
-            "int4-k-channel-w256-top80-streamed-int4-index": [("int4", "int4")] * len(self.groups),
+        fixed["csa_ratio"] = min(self.knobs["csa_ratio"])
+        fixed["recent_unquantized"] = min(self.knobs["recent_unquantized"])
+        dtypes = (self.config.k_dtypes, self.config.v_dtypes)
+        precise = tuple(most_precise_first(candidates)[0] for candidates in dtypes)
+        layouts: dict[str, tuple[list[Any], dict[str, Any]]] = {
+            "baseline": ([precise] * len(self.groups), {})
         }
-        own_knobs = {
-            "int4-k-channel-rotated": {
-                "k_scale_axis": "channel",
-                "rotation": "hadamard",
-                "group_size": 64,
-                "block_size": 32,
-            },
-            "fp8-w256-top48-host-no-summaries": {
-                "csa_ratio": 2,
-                "csa_window": 256,
-                "csa_topk": 48,
-                "csa_summary": NO_SUMMARY,
-            },
-            "int4-k-channel-w256-top80-host-int4-index": {
-                "k_scale_axis": "channel",
-                "rotation": "hadamard",
-                "group_size": 64,
-                "block_size": 16,
-                "csa_ratio": 2,
-                "csa_window": 256,
-                "csa_topk": 80,
-                "csa_summary": NO_SUMMARY,
-                "csa_index_dtype": "int4",
-            },
-        }
-        # The same selection with one staging pool the layers share: about a third of the
-        # device bytes, every layer's choice fetched every step.
-        own_knobs["int4-k-channel-w256-top80-streamed-int4-index"] = {
-            **own_knobs["int4-k-channel-w256-top80-host-int4-index"],
-            "csa_staging": "streamed",
-        }
+        formats = format_start(self.profiles, self.groups, dtypes, self.knobs)
+        if formats is not None:
+            layouts["profile-formats"] = formats
+            selecting = selection_start(self.profiles, self.selection_groups, self.knobs)
+            if selecting is not None:
+                layouts["profile-selecting"] = (formats[0], {**formats[1], **selecting})
+                streamed = {**formats[1], **selecting, "csa_staging": "streamed"}
+                layouts["profile-selecting-streamed"] = (formats[0], streamed)
+        choices = {**self.knobs, **self._group_choices()}
+        distributions = self.distributions()
         starts = {}
-        for name, layout in layouts.items():
-            knobs = own_knobs.get(name, {})
-            if any(value not in self.config.knobs[knob] for knob, value in knobs.items()):
+        for name, (layout, own) in layouts.items():
+            if any(value not in choices[knob] for knob, value in own.items()):
                 continue
-            params = {**fixed, **knobs}
+            params = {**fixed, **own}
             for index, (k, v) in enumerate(layout):
                 params[f"k_dtype_g{index}"] = k
                 params[f"v_dtype_g{index}"] = v
-                params.update({f"{name}_g{index}": params[name] for name in GROUP_KNOBS})
-            expressible = {p: value for p, value in params.items() if p in distributions}
-            if all(value in distributions[p].choices for p, value in expressible.items()):
-                starts[name] = expressible
+            for index in range(len(self.selection_groups)):
+                for knob in GROUP_KNOBS:
+                    params.setdefault(f"{knob}_s{index}", fixed[knob])
+            starts[name] = {p: value for p, value in params.items() if p in distributions}
         return starts

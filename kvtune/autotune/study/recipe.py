@@ -24,6 +24,8 @@ from kvtune.autotune.config.settings import (
     build_model_arch,
 )
 from kvtune.autotune.config.workload import Workload
+from kvtune.autotune.search.attention_profile import attention_profile
+from kvtune.autotune.search.profiles import Profiles
 from kvtune.autotune.search.sensitivity import RuntimeSettings, group_layers, layer_sensitivity
 from kvtune.autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
 from kvtune.autotune.study.objectives import Constraints, TrialContext, parse_objectives
@@ -120,20 +122,30 @@ class TuneSetup:
             runtime=self.runtime,
         )
 
-    def search_space(self, sensitivity_cache: JsonCache) -> SearchSpace:
-        """Resolve the layer groups (profiling sensitivity on first use of a model)."""
+    def search_space(self, profile_cache: JsonCache) -> SearchSpace:
+        """Resolve the layer groups and measure the profiles the space derives from (each on
+        first use of a model, cached): fp4 sensitivity where layers are grouped by it, the
+        attention profile at the suite's context where the space selects or offers
+        per-channel keys."""
         groups = self.search.layer_groups
         layers = self.arch.num_layers
+        sensitivity = None
         if groups == ALL_LAYERS:
             resolved = tuple((layer,) for layer in range(layers))
         elif groups == 1:
             resolved = (tuple(range(layers)),)
         else:
-            profile = layer_sensitivity(
-                self.model, self.folder, self.arch, self.runtime, sensitivity_cache
+            sensitivity = tuple(
+                layer_sensitivity(
+                    self.model, self.folder, self.arch, self.runtime, profile_cache
+                ).scores
             )
-            resolved = group_layers(profile.scores, groups)
-        return SearchSpace(self.search, resolved, layers)
+            resolved = group_layers(sensitivity, groups)
+        attention = None
+        if self.search.selects or "channel" in self.search.knobs["k_scale_axis"]:
+            geometry = self.search.profile_geometry(self.suite["context_tokens"])
+            attention = attention_profile(self.folder, geometry, self.runtime, profile_cache)
+        return SearchSpace(self.search, resolved, layers, Profiles(sensitivity, attention))
 
 
 def _runtime(data: Mapping[str, Any]) -> RuntimeSettings:
