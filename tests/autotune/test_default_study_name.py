@@ -12,10 +12,10 @@ COMMANDS = ("tune", "worker", "export", "dashboard")
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
-        ([], "smollm2-135m-chat"),  # the README's main job
-        (["workload=longdoc"], "smollm2-135m-longdoc"),
-        (["model=llama-3.1-8b", "workload=longdoc"], "llama-3.1-8b-longdoc"),
-        (["model=qwen2.5-7b"], "qwen2.5-7b-chat"),
+        ([], "smollm2-135m-longdoc"),  # the README's main job
+        (["workload=chat"], "smollm2-135m-chat"),
+        (["model=llama-3.1-8b", "workload=chat"], "llama-3.1-8b-chat"),
+        (["model=qwen2.5-7b"], "qwen2.5-7b-longdoc"),
     ],
 )
 def test_every_command_names_the_study_tune_names(overrides, expected):

@@ -266,8 +266,8 @@ def test_joining_a_missing_study_is_one_line_and_creates_nothing(tmp_path, comma
 def test_without_a_name_a_command_looks_for_the_study_tune_names(tmp_path, command, kvtune_cache):
     new_study(tmp_path / "studies" / "demo", name="demo")
     for overrides, name in (
-        ([], "smollm2-135m-chat"),
-        (["workload=longdoc"], "smollm2-135m-longdoc"),
+        ([], "smollm2-135m-longdoc"),
+        (["workload=chat"], "smollm2-135m-chat"),
     ):
         result = run_kvtune(command, *overrides, cwd=tmp_path, cache=kvtune_cache, timeout=120)
         assert result.returncode == 2, result.stderr[-3000:]
