@@ -172,8 +172,8 @@ def attention(need, overlap, outlier) -> AttentionProfile:
 def test_the_selecting_start_reads_its_budgets_reuse_and_key_axis_off_the_profile():
     """Layers grouped by the blocks they need; csa_topk the neediest group's mean need, each
     group its need over that (rounded up to hundredths), reused (4) where its choices persist
-    (overlap >= 0.8), per-channel keys where the median layer's key outliers are >= 2."""
-    profile = attention([70, 10, 40, 12, 38, 80], [0.5, 0.9, 0.85, 0.95, 0.9, 0.7], 5.0)
+    (mean overlap >= 0.8), per-channel keys where the median layer's key outliers are >= 2."""
+    profile = attention([70, 10, 40, 12, 38, 80], [0.5, 0.9, 0.75, 0.95, 0.9, 0.7], 5.0)
     search = SearchSpace(
         SearchConfig.from_dict({**SEARCH, **SELECTING}, ARCH), GROUPS, 6, Profiles(None, profile)
     )

@@ -34,7 +34,7 @@ PROTECT_RATIO = 4.0
 # is twice its median channel, the median channel loses a bit of its codes, so keys scale per
 # channel (KIVI).
 CHANNEL_OUTLIERS = 2.0
-# A group whose next choice keeps this share of the blocks it reads reuses its choice.
+# A group whose next choice keeps this share of the blocks it reads (its layers' mean) reuses it.
 REUSE_OVERLAP = 0.8
 FOUR_BIT = ("int4", "fp4")  # the 4-bit codes a formats start takes, in order of preference
 SHARE_DIGITS = 2
@@ -74,10 +74,13 @@ class Profiles:
         return [math.ceil(need / max(needs) * scale) / scale for need in needs]
 
     def reuses(self, groups: Sequence[Sequence[int]]) -> list[bool]:
-        """Whether each group's choice persists enough to be reused."""
+        """Whether each group's choice persists enough, on its layers' mean, to be reused."""
         assert self.attention is not None
         overlap = self.attention.choice_overlap
-        return [min(overlap[layer] for layer in layers) >= REUSE_OVERLAP for layers in groups]
+        return [
+            statistics.fmean(overlap[layer] for layer in layers) >= REUSE_OVERLAP
+            for layers in groups
+        ]
 
     def protected(self, groups: Sequence[Sequence[int]]) -> list[bool]:
         """Whether each dtype group's fp4 cost stands out (no sensitivity profile: none does)."""
