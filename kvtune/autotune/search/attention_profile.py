@@ -115,10 +115,11 @@ def layer_figures(
         return 0.0, 0.0, 1.0, outlier
     start = geometry.sinks
     end = start + blocks * geometry.block_size
-    last = torch.arange(tokens - PROBE_QUERIES, tokens)
+    last = torch.arange(tokens - PROBE_QUERIES, tokens, device=q.device)
     keys = k.repeat_interleave(group, dim=1).float()
     logits = torch.einsum("phd,nhd->phn", q[last].float(), keys) / math.sqrt(dim)
-    logits.masked_fill_(torch.arange(tokens)[None, None, :] > last[:, None, None], -math.inf)
+    future = torch.arange(tokens, device=q.device)[None, None, :] > last[:, None, None]
+    logits.masked_fill_(future, -math.inf)
     probs = logits.softmax(-1)
     block_mass = probs[:, :, start:end].unflatten(-1, (blocks, geometry.block_size)).sum(-1)
     older = block_mass.sum(-1).amax(-1).mean().item()
