@@ -34,6 +34,7 @@ from kvtune.autotune.evaluation.suite import EvalSuite, load_suite
 from kvtune.autotune.evaluation.suite_run import SuiteRun, run_suite
 from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
 from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
+from kvtune.autotune.evaluation.unit_cache import UnitCache, unit_folder
 from kvtune.cache_root import cache_dir
 from kvtune.runtime.llm import as_policy
 from kvtune.runtime.model_source import resolve_model
@@ -46,7 +47,7 @@ FIDELITY_KEYS = ("kl", "kl_prompt_tail", "top1_agreement", "answer_agreement")
 
 
 def eval_cache_dir() -> Path:
-    """Generated tasks and cached baselines: <kvtune cache>/eval."""
+    """Generated tasks, cached baselines and unfinished runs' units: <kvtune cache>/eval."""
     return cache_dir() / "eval"
 
 
@@ -72,6 +73,9 @@ def evaluate(
     `answer_agreement` (means over tasks), `seconds` (this policy's cost: loading and
     scoring) and `baseline_seconds` (the baseline's, when it was not cached).
 
+    A killed evaluation, baseline or policy, resumes at the runtime call (at long contexts, the
+    haystack) where it stopped: each is stored as it finishes (unit_cache.py).
+
         evaluate({"k_dtype": "fp8", "v_dtype": "fp8"}, "quick")["accuracy_retention"]
     """
     started = time.perf_counter()
@@ -81,11 +85,13 @@ def evaluate(
     model_folder = resolve_model(suite.model)
     folder = task_folder(suite, Tokenizer.from_folder(model_folder), root)
     baseline, computed = baseline_run(suite, folder, model_folder, root)
-    run = run_suite(policy, suite, folder, reference=baseline.rows)
+    units = UnitCache(unit_folder(root))
+    run = run_suite(policy, suite, folder, reference=baseline.rows, units=units)
     baseline_seconds = baseline.seconds if computed else 0.0
     result = report(suite, policy, folder, baseline, run)
     result["seconds"] = time.perf_counter() - started - baseline_seconds
     result["baseline_seconds"] = baseline_seconds
+    units.forget()  # the caller stores the whole result (studies, benchmarks' cached_evaluate)
     logger.info(
         "%s suite: retention %.3f, KL %.4f in %.1f s",
         suite.name,

@@ -1,4 +1,8 @@
-"""One policy through the whole suite: load the runtime, run lm-eval, score, record fidelity."""
+"""One policy through the whole suite: load the runtime, run lm-eval, score, record fidelity.
+
+With a unit cache, every runtime call is stored as it finishes (unit_cache.py), so a rerun
+after a kill computes only the calls the killed run had not finished, with the same scores.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from kvtune.autotune.evaluation.scoring import TaskScore, task_score
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.task_files import TaskFolder
 from kvtune.autotune.evaluation.tasks import TASKS
+from kvtune.autotune.evaluation.unit_cache import UnitCache
 from kvtune.runtime.policy import KVPolicy
 
 
@@ -33,8 +38,10 @@ def run_suite(
     suite: EvalSuite,
     folder: TaskFolder,
     reference: Mapping[Key, ScoredRows] | None = None,
+    units: UnitCache | None = None,
 ) -> SuiteRun:
-    """Score `policy` on the suite's tasks; with a reference, record fidelity against it."""
+    """Score `policy` on the suite's tasks; with a reference, record fidelity against it; with
+    units, store each runtime call as it finishes and read back those a killed run stored."""
     started = time.perf_counter()
     recorder = FidelityRecorder(reference)
     lm = KVTuneLM(
@@ -48,10 +55,10 @@ def run_suite(
         batch_tokens=suite.batch_tokens,
         kl_tail_tokens=suite.kl_tail_tokens,
         observer=recorder,
+        units=units,
     )
     runs = run_tasks(lm, folder)
     scores = {task: task_score(TASKS[task].kind, run.samples) for task, run in runs.items()}
-    stats = lm.llm.stats()
-    checked = stats["kv_range_checked_values"]
-    clipped = stats["kv_clipped_values"] / checked if checked else None
+    checked = lm.range_checked_values
+    clipped = lm.clipped_values / checked if checked else None
     return SuiteRun(scores, recorder.rows, time.perf_counter() - started, clipped)
