@@ -10,6 +10,7 @@ are counted at the engine (Engine.add_request), independent of the unit cache.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,7 +47,8 @@ SUITE = {
     "batch_tokens": 256,
     "max_num_seqs": 2,
 }
-POLICY = KVPolicy("fp8", "fp8")
+# Per-tensor fp8: its K/V range is fixed, so the clipped fraction is counted too.
+POLICY = KVPolicy("fp8", "fp8", group_size="tensor")
 OTHER_POLICY = KVPolicy("fp8", "fp4", group_size=16, scale_dtype="e4m3")
 
 
@@ -114,17 +116,18 @@ def test_a_killed_evaluation_resumes_with_the_uninterrupted_scores(tmp_path, pre
     assert 0 < prefills.count < total
     assert finished + prefills.count == total
     assert without_seconds(resumed) == without_seconds(reference)
-    assert resumed["kl"] > 0 and resumed["tasks"]["passkey_greedy"]["samples"] == 4
+    assert resumed["kl"] > 0 and resumed["kv_clipped_fraction"] is not None
+    assert resumed["tasks"]["passkey_greedy"]["samples"] == 4
     assert not list((root / "units").iterdir())  # stored whole, the journal goes
 
 
 def edited_folder(folder: TaskFolder, target: Path, task: str, row: int) -> TaskFolder:
-    """A copy of the task folder with one row's haystack changed by one word."""
+    """A copy of the task folder with two words of one row's haystack swapped: other tokens,
+    as many of them."""
     shutil.copytree(folder.path, target)
     rows = {name: [dict(r) for r in task_rows] for name, task_rows in folder.rows.items()}
     context = rows[task][row]["context"]
-    word = next(w for w in context.split() if w.isalpha() and len(w) > 4)
-    rows[task][row]["context"] = context.replace(word, word.upper(), 1)
+    rows[task][row]["context"] = re.sub(r" ([a-z]{5,}) ([a-z]{5,}) ", r" \2 \1 ", context, count=1)
     for name, task_rows in rows.items():
         data = target / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in task_rows))
@@ -155,6 +158,8 @@ def test_another_policy_reference_or_haystack_misses_the_units(tmp_path, prefill
     # reference's top tokens: the scored calls miss, the generated answers still hit.
     assert prefilled(BASELINE_POLICY, folder, reference=baseline.rows) == scored
     edited = edited_folder(folder, tmp_path / "edited", "passkey", 0)
+    before, after = (tokenizer.encode(f.rows["passkey"][0]["context"]) for f in (folder, edited))
+    assert before != after and len(before) == len(after)
     assert prefilled(BASELINE_POLICY, edited) == 1  # that haystack's one prefill
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -133,9 +134,11 @@ class KVTuneLM(TemplateLM):
         self.observer = observer
         self.units = units
         # K/V values clipped and range-checked by the runtime calls, read-back units included
-        # (the engine's own counters see only the calls it ran).
+        # (the engine's own counters see only the calls it ran), and what the read-back units
+        # took when they were computed (s).
         self.clipped_values = 0
         self.range_checked_values = 0
+        self.read_back_seconds = 0.0
 
     @property
     def policy(self) -> KVPolicy:
@@ -178,16 +181,19 @@ class KVTuneLM(TemplateLM):
         key = {**self.unit_context, "unit": inputs} if cache is not None else {}
         stored = cache.get(key) if cache is not None else None
         if stored is None:
-            before = self.llm.stats()
+            before, started = self.llm.stats(), time.perf_counter()
             results = compute()
             after = self.llm.stats()
             stored = {
                 "results": results,
+                "seconds": time.perf_counter() - started,
                 "clipped": after["kv_clipped_values"] - before["kv_clipped_values"],
                 "checked": after["kv_range_checked_values"] - before["kv_range_checked_values"],
             }
             if cache is not None:
                 cache.put(key, stored)
+        else:
+            self.read_back_seconds += stored["seconds"]
         self.clipped_values += stored["clipped"]
         self.range_checked_values += stored["checked"]
         return stored["results"]

@@ -23,7 +23,9 @@ from kvtune.runtime.policy import KVPolicy
 
 @dataclass(frozen=True)
 class SuiteRun:
-    """Scores per task, compact next-token distributions per request, wall time (s), and the
+    """Scores per task, compact next-token distributions per request, what the run cost (s:
+    its wall time plus, when it resumed a killed one, what the units it read back took when
+    computed: about an uninterrupted run's time), of that the read-back units' share, and the
     fraction of written K/V values beyond their stream's range (None: no stream has a fixed
     range; kvtune/runtime/clip_counter.py)."""
 
@@ -31,6 +33,7 @@ class SuiteRun:
     rows: dict[Key, ScoredRows]
     seconds: float
     clipped_fraction: float | None = None
+    read_back_seconds: float = 0.0
 
 
 def run_suite(
@@ -61,4 +64,5 @@ def run_suite(
     scores = {task: task_score(TASKS[task].kind, run.samples) for task, run in runs.items()}
     checked = lm.range_checked_values
     clipped = lm.clipped_values / checked if checked else None
-    return SuiteRun(scores, recorder.rows, time.perf_counter() - started, clipped)
+    seconds = time.perf_counter() - started + lm.read_back_seconds
+    return SuiteRun(scores, recorder.rows, seconds, clipped, lm.read_back_seconds)
