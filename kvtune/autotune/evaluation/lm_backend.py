@@ -16,12 +16,10 @@ finishes and read back on a rerun (unit_cache.py), so an interrupted evaluation 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,14 +30,11 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from kvtune.autotune.cache import ACCURACY_CODE, code_key
 from kvtune.autotune.evaluation.prefill_plan import PrefillUnit, prefill_units
 from kvtune.autotune.evaluation.shared_generation import cut_at_stops, greedy_generate
-from kvtune.autotune.evaluation.unit_cache import UnitCache
-from kvtune.runtime.fingerprint import model_fingerprint
+from kvtune.autotune.evaluation.unit_cache import UnitCache, UnitRuns
 from kvtune.runtime.llm import LLM, as_policy
-from kvtune.runtime.model_source import resolve_model
-from kvtune.runtime.policy import KVPolicy, canonical
+from kvtune.runtime.policy import KVPolicy
 
 DEFAULT_MAX_GEN_TOKS = 256
 
@@ -127,18 +122,11 @@ class KVTuneLM(TemplateLM):
             max_model_len=max_model_len,
         )
         self.model_name = model
-        self.backend = backend
         self.tokenizer = self.llm.tokenizer
         self.batch_tokens = batch_tokens
         self.kl_tail_tokens = kl_tail_tokens
         self.observer = observer
-        self.units = units
-        # K/V values clipped and range-checked by the runtime calls, read-back units included
-        # (the engine's own counters see only the calls it ran), and what the read-back units
-        # took when they were computed (s).
-        self.clipped_values = 0
-        self.range_checked_values = 0
-        self.read_back_seconds = 0.0
+        self.runs = UnitRuns(self.llm, model, backend, units)
 
     @property
     def policy(self) -> KVPolicy:
@@ -154,49 +142,6 @@ class KVTuneLM(TemplateLM):
         """Token before a rolling window's first token: BOS, else EOS (as lm-eval's hf)."""
         bos = self.tokenizer.token_id("bos_token")
         return bos if bos is not None else self.eot_token_id
-
-    @functools.cached_property
-    def unit_context(self) -> dict[str, Any]:
-        """What decides every runtime call's numbers besides its own inputs (unit_cache.py)."""
-        return {
-            "kind": "eval-unit",
-            "model": model_fingerprint(resolve_model(self.model_name)),
-            "policy": canonical(self.policy).to_dict(),
-            "runtime": {
-                "backend": self.backend,
-                "device": str(self.llm.device),
-                "dtype": self.llm.arch.dtype,
-                **dataclasses.asdict(self.llm.engine.config),
-            },
-            "code": code_key(*ACCURACY_CODE),
-        }
-
-    def _run_unit(
-        self, inputs: dict[str, Any] | None, compute: Callable[[], list[Any]]
-    ) -> list[Any]:
-        """One runtime call's results: read back from the unit cache, or computed and stored
-        there as soon as the call finishes. inputs: everything of the call's own that decides
-        its results (None: a call never stored, as a sampled one); compute: the call."""
-        cache = self.units if inputs is not None else None
-        key = {**self.unit_context, "unit": inputs} if cache is not None else {}
-        stored = cache.get(key) if cache is not None else None
-        if stored is None:
-            before, started = self.llm.stats(), time.perf_counter()
-            results = compute()
-            after = self.llm.stats()
-            stored = {
-                "results": results,
-                "seconds": time.perf_counter() - started,
-                "clipped": after["kv_clipped_values"] - before["kv_clipped_values"],
-                "checked": after["kv_range_checked_values"] - before["kv_range_checked_values"],
-            }
-            if cache is not None:
-                cache.put(key, stored)
-        else:
-            self.read_back_seconds += stored["seconds"]
-        self.clipped_values += stored["clipped"]
-        self.range_checked_values += stored["checked"]
-        return stored["results"]
 
     @property
     def max_length(self) -> int:
@@ -311,7 +256,7 @@ class KVTuneLM(TemplateLM):
                 }
                 call = functools.partial(self._score_unit, items, unit, starts)
                 for index, (logprob, greedy, record) in zip(
-                    unit.members, self._run_unit(inputs, call), strict=True
+                    unit.members, self.runs.run(inputs, call), strict=True
                 ):
                     results[index] = (logprob, greedy)
                     if self.observer is not None:
@@ -352,7 +297,7 @@ class KVTuneLM(TemplateLM):
             members = [prompts[i] for i in unit.members]
             inputs = {"generate": members, "max_new_tokens": max_new, "until": until}
             call = functools.partial(self._generate_unit, members, max_new, until)
-            for index, tokens in zip(unit.members, self._run_unit(inputs, call), strict=True):
+            for index, tokens in zip(unit.members, self.runs.run(inputs, call), strict=True):
                 outputs[index] = tokens
         return outputs
 
@@ -392,7 +337,7 @@ class KVTuneLM(TemplateLM):
                 outputs = self._greedy(prompts, max_new, until)
             else:
                 call = functools.partial(self._sample, prompts, max_new, temperature)
-                outputs = self._run_unit(None, call)
+                outputs = self.runs.run(None, call)
             for index, output in zip(indices, outputs, strict=True):
                 text = cut_at_stops(self.tokenizer.decode(output), until)
                 results[index] = text

@@ -62,7 +62,8 @@ def run_suite(
     )
     runs = run_tasks(lm, folder)
     scores = {task: task_score(TASKS[task].kind, run.samples) for task, run in runs.items()}
-    checked = lm.range_checked_values
-    clipped = lm.clipped_values / checked if checked else None
-    seconds = time.perf_counter() - started + lm.read_back_seconds
-    return SuiteRun(scores, recorder.rows, seconds, clipped, lm.read_back_seconds)
+    checked = lm.runs.range_checked_values
+    clipped = lm.runs.clipped_values / checked if checked else None
+    read_back = lm.runs.read_back_seconds
+    seconds = time.perf_counter() - started + read_back
+    return SuiteRun(scores, recorder.rows, seconds, clipped, read_back)
