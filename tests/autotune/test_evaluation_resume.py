@@ -25,9 +25,10 @@ from kvtune.autotune.evaluation.baseline_cache import BASELINE_POLICY
 from kvtune.autotune.evaluation.suite_run import run_suite
 from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder, task_yaml
 from kvtune.autotune.evaluation.tasks import TASKS
-from kvtune.autotune.evaluation.unit_cache import UnitCache
+from kvtune.autotune.evaluation.unit_cache import UnitCache, UnitRuns
 from kvtune.runtime import KVPolicy
 from kvtune.runtime.engine import Engine
+from kvtune.runtime.llm import LLM
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.tokenizer import Tokenizer
 
@@ -174,3 +175,14 @@ def test_a_write_killed_midway_leaves_no_entry(tmp_path):
         replace_atomically(path, half_then_killed)
     assert not path.exists() and not list(path.parent.iterdir())
     assert UnitCache(path.parent).get({"unit": 1}) is None
+
+
+def test_the_unit_key_names_the_model_by_content_not_path(tiny_model_folder, tmp_path):
+    copy = shutil.copytree(tiny_model_folder, tmp_path / "copy")
+    contexts = [
+        UnitRuns(LLM(str(folder), max_model_len=64), str(folder), "torch", None).context
+        for folder in (tiny_model_folder, copy)
+    ]
+    assert contexts[0] == contexts[1]
+    text = json.dumps(contexts[0])
+    assert str(tmp_path) not in text and str(tiny_model_folder) not in text
