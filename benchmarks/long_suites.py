@@ -4,12 +4,17 @@ scores, and optionally a policy's against it.
 Each task runs as a suite of its own (the same rows: a task draws from its own seeded rng), so
 its baseline lands in the content-keyed baseline cache (kvtune/autotune/evaluation/
 baseline_cache.py) and a policy's result in the benchmarks' content-keyed cache
-(eval_validity.cached_evaluate): an interrupted run resumes at the task where it stopped. Per
-task: items scored, the baseline's greedy exact match (a generation task's generated answers,
-a question-answering task's teacher-forced argmax) and its headline score (the mean
+(eval_validity.cached_evaluate). Inside a task, each haystack (its prefill and the questions
+answered on it) is stored as it finishes (kvtune/autotune/evaluation/unit_cache.py): an
+interrupted run resumes at the haystack where it stopped, with the scores an uninterrupted run
+gives.
+
+Per task: items scored, the baseline's greedy exact match (a generation task's generated
+answers, a question-answering task's teacher-forced argmax) and its headline score (the mean
 gold-answer probability; word perplexity for wiki_ppl; exact match again for generation); with a
 policy, its exact match and retention (exp(-KL) per answer, or the exact-match ratio for a
-generation task); seconds each run took (a cached one shows the seconds it took then).
+generation task); seconds each run took (a cached one shows the seconds it took then; a resumed
+one, those of its last part).
 
 --estimate 16384,32768 adds what the measured tasks would cost at other lengths (same items):
 the seconds measured here times the ratio of prefill FLOPs per prompt, 2 x (the decoder's matmul

@@ -22,7 +22,7 @@ import logging
 import os
 import platform
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,20 @@ def machine_fingerprint(device: str) -> dict[str, Any]:
     }
 
 
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write path through `write(temporary)` in its folder, then rename the temporary over it: a
+    reader never sees half a file, and a process killed mid-write leaves only a stray *.tmp."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    os.close(handle)
+    try:
+        write(Path(temporary))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
 def key_digest(key: Mapping[str, Any]) -> str:
     """SHA-256 of a key's canonical JSON (plain JSON values only: a Path refuses to enter)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
@@ -109,11 +123,8 @@ class JsonCache:
             return None
 
     def put(self, key: Mapping[str, Any], value: Mapping[str, Any]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
-        with os.fdopen(handle, "w") as out:
-            json.dump({"key": key, "value": value}, out, sort_keys=True, default=str)
-        os.replace(temporary, self._path(key))
+        text = json.dumps({"key": key, "value": value}, sort_keys=True, default=str)
+        replace_atomically(self._path(key), lambda temporary: temporary.write_text(text))
 
 
 def default_cache_folder(kind: str) -> Path:

@@ -39,7 +39,7 @@ def exact_kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
 def record(logprobs_by_key, reference=None, top_k=8, num_tail=0):
     recorder = FidelityRecorder(reference, top_k=top_k)
     for key, logprobs in logprobs_by_key.items():
-        recorder(key, logprobs, num_tail)
+        recorder.keep(key, recorder.measure(key, logprobs, num_tail))
     return recorder.rows
 
 

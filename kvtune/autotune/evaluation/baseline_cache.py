@@ -4,7 +4,9 @@ Every trial compares against the same baseline (auto K/V dtypes: the model's own
 compression), so it is scored once and stored under the kvtune cache as
 baselines/<key>.pt; a trial then pays only for its own policy. The key is content only: the
 model files' hash, the suite's fingerprint (every setting but its name and model, and the task
-rows it generated), the baseline policy and the fingerprint of the code that scores it.
+rows it generated), the baseline policy and the fingerprint of the code that scores it. While it
+runs, each finished haystack is stored in the unit cache (unit_cache.py, under <root>/units), so
+a killed baseline resumes at the haystack where it stopped; once stored whole, those go.
 """
 
 from __future__ import annotations
@@ -13,19 +15,18 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtune.autotune.cache import ACCURACY_CODE, code_key, key_digest
+from kvtune.autotune.cache import ACCURACY_CODE, code_key, key_digest, replace_atomically
 from kvtune.autotune.evaluation.fidelity import ScoredRows
 from kvtune.autotune.evaluation.scoring import TaskScore
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.suite_run import SuiteRun, run_suite
 from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
+from kvtune.autotune.evaluation.unit_cache import UnitCache, unit_folder
 from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.policy import KVPolicy
@@ -69,11 +70,7 @@ def save(path: Path, run: SuiteRun) -> None:
         "rows": [[list(key), rows.to_dict()] for key, rows in run.rows.items()],
         "seconds": run.seconds,
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(handle)
-    torch.save(data, temporary)
-    os.replace(temporary, path)
+    replace_atomically(path, lambda temporary: torch.save(data, temporary))
 
 
 def load(path: Path) -> SuiteRun:
@@ -91,6 +88,8 @@ def baseline_run(
     if path.is_file():
         return load(path), False
     logger.info("scoring the uncompressed baseline once for the %s suite", suite.name)
-    run = run_suite(BASELINE_POLICY, suite, folder)
+    units = UnitCache(unit_folder(root))
+    run = run_suite(BASELINE_POLICY, suite, folder, units=units)
     save(path, run)
+    units.forget()
     return run, True

@@ -34,6 +34,7 @@ from kvtune.autotune.evaluation.suite import EvalSuite, load_suite
 from kvtune.autotune.evaluation.suite_run import SuiteRun, run_suite
 from kvtune.autotune.evaluation.task_files import TaskFolder, task_folder
 from kvtune.autotune.evaluation.tasks import GENERATION, PERPLEXITY, QA, TASKS
+from kvtune.autotune.evaluation.unit_cache import UnitCache, unit_folder
 from kvtune.cache_root import cache_dir
 from kvtune.runtime.llm import as_policy
 from kvtune.runtime.model_source import resolve_model
@@ -46,7 +47,7 @@ FIDELITY_KEYS = ("kl", "kl_prompt_tail", "top1_agreement", "answer_agreement")
 
 
 def eval_cache_dir() -> Path:
-    """Generated tasks and cached baselines: <kvtune cache>/eval."""
+    """Generated tasks, cached baselines and unfinished runs' units: <kvtune cache>/eval."""
     return cache_dir() / "eval"
 
 
@@ -70,7 +71,11 @@ def evaluate(
     E4M3-scaled stream's range, None without such streams), `kl`, `kl_prompt_tail`,
     `top1_agreement`,
     `answer_agreement` (means over tasks), `seconds` (this policy's cost: loading and
-    scoring) and `baseline_seconds` (the baseline's, when it was not cached).
+    scoring) and `baseline_seconds` (the baseline's, when it was not cached); a resumed run
+    counts the units it read back at what they took when computed.
+
+    A killed evaluation, baseline or policy, resumes at the runtime call (at long contexts, the
+    haystack) where it stopped: each is stored as it finishes (unit_cache.py).
 
         evaluate({"k_dtype": "fp8", "v_dtype": "fp8"}, "quick")["accuracy_retention"]
     """
@@ -80,12 +85,16 @@ def evaluate(
     root = cache or eval_cache_dir()
     model_folder = resolve_model(suite.model)
     folder = task_folder(suite, Tokenizer.from_folder(model_folder), root)
+    baseline_started = time.perf_counter()
     baseline, computed = baseline_run(suite, folder, model_folder, root)
-    run = run_suite(policy, suite, folder, reference=baseline.rows)
-    baseline_seconds = baseline.seconds if computed else 0.0
+    baseline_wall = time.perf_counter() - baseline_started if computed else 0.0
+    units = UnitCache(unit_folder(root))
+    run = run_suite(policy, suite, folder, reference=baseline.rows, units=units)
     result = report(suite, policy, folder, baseline, run)
-    result["seconds"] = time.perf_counter() - started - baseline_seconds
-    result["baseline_seconds"] = baseline_seconds
+    elapsed = time.perf_counter() - started
+    result["seconds"] = elapsed - baseline_wall + run.read_back_seconds
+    result["baseline_seconds"] = baseline.seconds if computed else 0.0
+    units.forget()  # the caller stores the whole result (studies, benchmarks' cached_evaluate)
     logger.info(
         "%s suite: retention %.3f, KL %.4f in %.1f s",
         suite.name,

@@ -12,8 +12,10 @@ Summed over each answer's tokens (scored_kl) it is also the suite's headline ret
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,7 +43,7 @@ class ScoredRows:
     at_reference: torch.Tensor | None = None
 
     def to_dict(self) -> dict[str, torch.Tensor | int]:
-        """The stored form (at_reference is per run, never stored)."""
+        """The baseline cache's form (at_reference is per run, never stored there)."""
         return {
             "top_ids": self.top_ids,
             "top_logprobs": self.top_logprobs,
@@ -50,22 +52,47 @@ class ScoredRows:
 
 
 class FidelityRecorder:
-    """lm_backend observer: keeps ScoredRows per request key, measured against `reference`."""
+    """lm_backend observer: keeps ScoredRows per request key, measured against `reference`.
+
+    Measuring (logits to a record) and keeping are apart because the unit cache stores the
+    records: a cached unit's records are kept without the logits that made them.
+    """
 
     def __init__(self, reference: Mapping[Key, ScoredRows] | None = None, top_k: int = TOP_K):
         self.reference = reference or {}
         self.top_k = top_k
         self.rows: dict[Key, ScoredRows] = {}
 
-    def __call__(self, key: Key, logprobs: torch.Tensor, num_tail: int) -> None:
+    def measure(self, key: Key, logprobs: torch.Tensor, num_tail: int) -> dict[str, Any]:
+        """The record of one request: ScoredRows' fields, at_reference included."""
         top = logprobs.topk(min(self.top_k, logprobs.shape[-1]), dim=-1)
         reference = self.reference.get(key)
         at_reference = None
         if reference is not None and reference.top_ids.shape[0] == logprobs.shape[0]:
             at_reference = logprobs.gather(1, reference.top_ids.long())
-        self.rows[key] = ScoredRows(
-            top.indices.to(torch.int32), top.values.float(), num_tail, at_reference
-        )
+        return {
+            "top_ids": top.indices.to(torch.int32),
+            "top_logprobs": top.values.float(),
+            "num_tail": num_tail,
+            "at_reference": at_reference,
+        }
+
+    def keep(self, key: Key, record: Mapping[str, Any]) -> None:
+        self.rows[key] = ScoredRows(**record)
+
+    def context(self, keys: Sequence[Key]) -> str:
+        """Content hash of what decides these requests' records besides their logits: k and
+        the reference's top tokens (the ids whose log-probabilities at_reference keeps)."""
+        digest = hashlib.sha256(f"top_k={self.top_k}".encode())
+        for key in keys:
+            reference = self.reference.get(key)
+            if reference is None:
+                digest.update(b"none;")
+                continue
+            ids = reference.top_ids.to(torch.int32).contiguous()
+            digest.update(f"{tuple(ids.shape)};".encode())
+            digest.update(ids.numpy().tobytes())
+        return digest.hexdigest()
 
 
 def coarse_kl(reference: ScoredRows, at_reference: torch.Tensor) -> torch.Tensor:

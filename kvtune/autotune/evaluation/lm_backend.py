@@ -6,7 +6,9 @@ compute. Tokenization and windowing follow lm-eval's `hf` model (context/continu
 rolling windows, left truncation), so with `auto` K/V dtypes the numbers equal lm-eval's own on
 the same weights. Requests whose tokens are prefixes of others share their prefill pass
 (prefill_plan.py). An optional observer sees the log-probabilities at every scored position
-(fidelity.py records them against the uncompressed baseline).
+(fidelity.py records them against the uncompressed baseline). With a unit cache, each runtime
+call's results (log-likelihoods, greedy answers, the observer's records) are stored as the call
+finishes and read back on a rerun (unit_cache.py), so an interrupted evaluation resumes there.
 
     lm = KVTuneLM(model="smollm2-135m", k_dtype="fp8", v_dtype="fp8")
     lm_eval.simple_evaluate(model=lm, tasks=[...])
@@ -14,6 +16,7 @@ the same weights. Requests whose tokens are prefixes of others share their prefi
 
 from __future__ import annotations
 
+import functools
 import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -27,8 +30,9 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from kvtune.autotune.evaluation.prefill_plan import share_prefixes, token_batches
+from kvtune.autotune.evaluation.prefill_plan import PrefillUnit, prefill_units
 from kvtune.autotune.evaluation.shared_generation import cut_at_stops, greedy_generate
+from kvtune.autotune.evaluation.unit_cache import UnitCache, UnitRuns
 from kvtune.runtime.llm import LLM, as_policy
 from kvtune.runtime.policy import KVPolicy
 
@@ -36,14 +40,21 @@ DEFAULT_MAX_GEN_TOKS = 256
 
 
 class Observer(Protocol):
-    """Receives each scored request's log-probabilities.
+    """Turns each scored request's log-probabilities into a record and keeps it.
 
     key: (context, continuation) of a loglikelihood request, (text, window index) of a rolling
     window. logprobs: fp32 log-softmax rows [num_tail + continuation tokens, vocab], the
-    num_tail prompt positions before the continuation first.
+    num_tail prompt positions before the continuation first. A record is plain data (tensors,
+    numbers, None: what torch.load reads with weights_only) that the unit cache stores in place
+    of the logits; `context` names by content what besides the logits decides the records of
+    these requests (a reference they are compared with), for the cache's key.
     """
 
-    def __call__(self, key: tuple[str, ...], logprobs: torch.Tensor, num_tail: int) -> None: ...
+    def measure(self, key: tuple[str, ...], logprobs: torch.Tensor, num_tail: int) -> Any: ...
+
+    def keep(self, key: tuple[str, ...], record: Any) -> None: ...
+
+    def context(self, keys: Sequence[tuple[str, ...]]) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -73,8 +84,10 @@ class KVTuneLM(TemplateLM):
     policy: a KVPolicy or dict; policy_fields (k_dtype=..., csa_ratio=...) override it field
     by field. kl_tail_tokens: prompt positions before each continuation also passed to the
     observer. batch_tokens: prompt tokens prefilled per runtime call (bounds the fp32 logits
-    held at once). batch_size: lm-eval's, used as max_num_seqs when it is a number;
-    max_batch_size: accepted from lm-eval's command line, unused (the engine batches).
+    held at once; one call is one unit of the unit cache). units: where finished calls are
+    stored and read back (None: nothing stored). batch_size: lm-eval's, used as max_num_seqs
+    when it is a number; max_batch_size: accepted from lm-eval's command line, unused (the
+    engine batches).
     """
 
     def __init__(
@@ -89,6 +102,7 @@ class KVTuneLM(TemplateLM):
         batch_tokens: int = 8192,
         kl_tail_tokens: int = 0,
         observer: Observer | None = None,
+        units: UnitCache | None = None,
         batch_size: int | str | None = None,
         max_batch_size: int | None = None,
         **policy_fields: Any,
@@ -112,6 +126,7 @@ class KVTuneLM(TemplateLM):
         self.batch_tokens = batch_tokens
         self.kl_tail_tokens = kl_tail_tokens
         self.observer = observer
+        self.runs = UnitRuns(self.llm, model, backend, units)
 
     @property
     def policy(self) -> KVPolicy:
@@ -210,45 +225,99 @@ class KVTuneLM(TemplateLM):
     def _score(
         self, items: list[ScoringItem], what: str, disable_tqdm: bool
     ) -> list[tuple[float, bool]]:
-        """(log-likelihood of the targets, whether greedy decoding yields them) per item."""
-        serving = share_prefixes([item.inputs for item in items])
-        hosts = list(dict.fromkeys(serving))
-        served: dict[int, list[int]] = defaultdict(list)
-        for index, host in enumerate(serving):
-            served[host].append(index)
+        """(log-likelihood of the targets, whether greedy decoding yields them) per item, one
+        runtime call (and unit) per batch of prefill passes."""
         results: list[tuple[float, bool]] = [(0.0, True)] * len(items)
-        lengths = [len(items[host].inputs) for host in hosts]
-        # Each pass projects to the vocabulary only from the first position a served item reads.
-        starts = [
-            min([items[i].first_read for i in served[host]] + [len(items[host].inputs) - 1])
-            for host in hosts
-        ]
-        bar = tqdm(total=sum(lengths), unit="tok", desc=f"kvtune {what}", disable=disable_tqdm)
+        units = prefill_units([item.inputs for item in items], self.batch_tokens)
+        bar = tqdm(
+            total=sum(len(items[h].inputs) for unit in units for h in unit.hosts),
+            unit="tok",
+            desc=f"kvtune {what}",
+            disable=disable_tqdm,
+        )
         with bar:
-            for batch in token_batches(lengths, self.batch_tokens):
-                prompts = [items[hosts[b]].inputs for b in batch]
-                logits = self.llm.prompt_logits_batch(prompts, [starts[b] for b in batch])
-                for b, host_logits in zip(batch, logits, strict=True):
-                    for index in served[hosts[b]]:
-                        results[index] = self._read(items[index], host_logits, starts[b])
-                bar.update(sum(lengths[b] for b in batch))
+            for unit in units:
+                # Each pass projects to the vocabulary only from the first position it serves.
+                starts = [
+                    min([items[i].first_read for i in indices] + [len(items[host].inputs) - 1])
+                    for host, indices in zip(unit.hosts, unit.served, strict=True)
+                ]
+                reads = [
+                    [position, items[i].end, items[i].targets, items[i].num_tail]
+                    for position, indices in enumerate(unit.served)
+                    for i in indices
+                ]
+                keys = [items[i].key for i in unit.members]
+                inputs = {
+                    "prompts": [items[h].inputs for h in unit.hosts],
+                    "starts": starts,
+                    "reads": reads,
+                    "observed": self.observer.context(keys) if self.observer else None,
+                }
+                call = functools.partial(self._score_unit, items, unit, starts)
+                for index, (logprob, greedy, record) in zip(
+                    unit.members, self.runs.run(inputs, call), strict=True
+                ):
+                    results[index] = (logprob, greedy)
+                    if self.observer is not None:
+                        self.observer.keep(items[index].key, record)
+                bar.update(sum(len(items[h].inputs) for h in unit.hosts))
         return results
 
-    def _read(self, item: ScoringItem, logits: torch.Tensor, offset: int) -> tuple[float, bool]:
+    def _score_unit(
+        self, items: list[ScoringItem], unit: PrefillUnit, starts: list[int]
+    ) -> list[tuple[float, bool, Any]]:
+        """One runtime call: (log-likelihood, greedy, observer record) per member item."""
+        logits = self.llm.prompt_logits_batch([items[h].inputs for h in unit.hosts], starts)
+        return [
+            self._read(items[index], host_logits, start)
+            for host_logits, start, indices in zip(logits, starts, unit.served, strict=True)
+            for index in indices
+        ]
+
+    def _read(
+        self, item: ScoringItem, logits: torch.Tensor, offset: int
+    ) -> tuple[float, bool, Any]:
         """Score one item from its host's logits, whose first row is position `offset`."""
         rows = torch.log_softmax(logits[item.first_read - offset : item.end - offset].float(), -1)
         scored = rows[item.num_tail :]
         targets = torch.tensor(item.targets, dtype=torch.long)
         logprob = float(scored.gather(1, targets[:, None]).sum())
         greedy = bool((scored.argmax(dim=-1) == targets).all())
+        record = None
         if self.observer is not None:
-            self.observer(item.key, rows, item.num_tail)
-        return logprob, greedy
+            record = self.observer.measure(item.key, rows, item.num_tail)
+        return logprob, greedy, record
+
+    def _greedy(self, prompts: list[list[int]], max_new: int, until: list[str]) -> list[list[int]]:
+        """Greedy continuations (shared_generation.py), one runtime call (and unit) per batch of
+        conversations: prompts read from one host's prefill."""
+        outputs: list[list[int]] = [[] for _ in prompts]
+        for unit in prefill_units(prompts, self.batch_tokens):
+            members = [prompts[i] for i in unit.members]
+            inputs = {"generate": members, "max_new_tokens": max_new, "until": until}
+            call = functools.partial(self._generate_unit, members, max_new, until)
+            for index, tokens in zip(unit.members, self.runs.run(inputs, call), strict=True):
+                outputs[index] = tokens
+        return outputs
+
+    def _generate_unit(
+        self, prompts: list[list[int]], max_new: int, until: list[str]
+    ) -> list[list[int]]:
+        """One runtime call: the greedy token ids of each prompt."""
+        return greedy_generate(self.llm, prompts, max_new, until).token_ids
+
+    def _sample(self, prompts: list[list[int]], max_new: int, temperature: float) -> list[Any]:
+        """Sampled token ids: one call, never stored (the engine's one random stream runs
+        through every call, so a call's results depend on the calls before it)."""
+        generations = self.llm.generate(prompts, max_new, temperature)
+        return [generation.token_ids for generation in generations]
 
     def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Continuations cut at the first `until` string, batched through the engine per
         distinct set of generation arguments; greedy ones share the prefill of prompts that
-        extend one another (shared_generation.py), sampled ones run one prompt each."""
+        extend one another (shared_generation.py) and are stored per runtime call, sampled ones
+        run one prompt each."""
         groups: dict[str, list[int]] = defaultdict(list)
         for index, request in enumerate(requests):
             groups[json.dumps(request.args[1], sort_keys=True)].append(index)
@@ -265,9 +334,10 @@ class KVTuneLM(TemplateLM):
             contexts = [requests[i].args[0] for i in indices]
             prompts = [self.tok_encode(c)[-(self.max_length - max_new) :] for c in contexts]
             if temperature == 0:
-                outputs = greedy_generate(self.llm, prompts, max_new, until).token_ids
+                outputs = self._greedy(prompts, max_new, until)
             else:
-                outputs = [g.token_ids for g in self.llm.generate(prompts, max_new, temperature)]
+                call = functools.partial(self._sample, prompts, max_new, temperature)
+                outputs = self.runs.run(None, call)
             for index, output in zip(indices, outputs, strict=True):
                 text = cut_at_stops(self.tokenizer.decode(output), until)
                 results[index] = text

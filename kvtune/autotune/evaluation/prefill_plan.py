@@ -4,11 +4,17 @@ Causal logits at a position depend only on the tokens up to it, so a request who
 a prefix of another's reads the longer prompt's logits instead of running its own pass. The
 suite relies on it: every question of a conversation extends the previous turn's prompt, so a
 conversation costs one prefill pass however many questions it asks.
+
+A batch of such passes is one runtime call, and the unit an evaluation stores as it finishes
+(unit_cache.py): its numbers depend on its own prompts only (prompts sharing a call share its
+steps and chunk boundaries), never on what ran before it, so it can be stored and skipped.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def share_prefixes(inputs: Sequence[Sequence[int]]) -> list[int]:
@@ -43,3 +49,31 @@ def token_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
             batches.append([index])
             used = length
     return batches
+
+
+@dataclass(frozen=True)
+class PrefillUnit:
+    """One runtime call: `hosts` (input indices) are prefilled together; served[i] lists the
+    inputs read from hosts[i]'s pass (the host itself among them)."""
+
+    hosts: list[int]
+    served: list[list[int]]
+
+    @property
+    def members(self) -> list[int]:
+        """Every input the call answers, host by host."""
+        return [index for indices in self.served for index in indices]
+
+
+def prefill_units(inputs: Sequence[Sequence[int]], max_tokens: int) -> list[PrefillUnit]:
+    """The runtime calls that answer every input: hosts (share_prefixes) in order of first
+    appearance, grouped by token_batches of their lengths."""
+    serving = share_prefixes(inputs)
+    hosts = list(dict.fromkeys(serving))
+    served: dict[int, list[int]] = defaultdict(list)
+    for index, host in enumerate(serving):
+        served[host].append(index)
+    return [
+        PrefillUnit([hosts[b] for b in batch], [served[hosts[b]] for b in batch])
+        for batch in token_batches([len(inputs[h]) for h in hosts], max_tokens)
+    ]

@@ -1,4 +1,8 @@
-"""One policy through the whole suite: load the runtime, run lm-eval, score, record fidelity."""
+"""One policy through the whole suite: load the runtime, run lm-eval, score, record fidelity.
+
+With a unit cache, every runtime call is stored as it finishes (unit_cache.py), so a rerun
+after a kill computes only the calls the killed run had not finished, with the same scores.
+"""
 
 from __future__ import annotations
 
@@ -13,12 +17,15 @@ from kvtune.autotune.evaluation.scoring import TaskScore, task_score
 from kvtune.autotune.evaluation.suite import EvalSuite
 from kvtune.autotune.evaluation.task_files import TaskFolder
 from kvtune.autotune.evaluation.tasks import TASKS
+from kvtune.autotune.evaluation.unit_cache import UnitCache
 from kvtune.runtime.policy import KVPolicy
 
 
 @dataclass(frozen=True)
 class SuiteRun:
-    """Scores per task, compact next-token distributions per request, wall time (s), and the
+    """Scores per task, compact next-token distributions per request, what the run cost (s:
+    its wall time plus, when it resumed a killed one, what the units it read back took when
+    computed: about an uninterrupted run's time), of that the read-back units' share, and the
     fraction of written K/V values beyond their stream's range (None: no stream has a fixed
     range; kvtune/runtime/clip_counter.py)."""
 
@@ -26,6 +33,7 @@ class SuiteRun:
     rows: dict[Key, ScoredRows]
     seconds: float
     clipped_fraction: float | None = None
+    read_back_seconds: float = 0.0
 
 
 def run_suite(
@@ -33,8 +41,10 @@ def run_suite(
     suite: EvalSuite,
     folder: TaskFolder,
     reference: Mapping[Key, ScoredRows] | None = None,
+    units: UnitCache | None = None,
 ) -> SuiteRun:
-    """Score `policy` on the suite's tasks; with a reference, record fidelity against it."""
+    """Score `policy` on the suite's tasks; with a reference, record fidelity against it; with
+    units, store each runtime call as it finishes and read back those a killed run stored."""
     started = time.perf_counter()
     recorder = FidelityRecorder(reference)
     lm = KVTuneLM(
@@ -48,10 +58,12 @@ def run_suite(
         batch_tokens=suite.batch_tokens,
         kl_tail_tokens=suite.kl_tail_tokens,
         observer=recorder,
+        units=units,
     )
     runs = run_tasks(lm, folder)
     scores = {task: task_score(TASKS[task].kind, run.samples) for task, run in runs.items()}
-    stats = lm.llm.stats()
-    checked = stats["kv_range_checked_values"]
-    clipped = stats["kv_clipped_values"] / checked if checked else None
-    return SuiteRun(scores, recorder.rows, time.perf_counter() - started, clipped)
+    checked = lm.runs.range_checked_values
+    clipped = lm.runs.clipped_values / checked if checked else None
+    read_back = lm.runs.read_back_seconds
+    seconds = time.perf_counter() - started + read_back
+    return SuiteRun(scores, recorder.rows, seconds, clipped, read_back)
