@@ -17,8 +17,9 @@ Reported: how often the two engines' answers agree with f16 caches (their weight
 differ, so this is the floor), the same under q8_0 and q4_0 (issue 42's target: q8_0 agreement
 >= f16 agreement - 0.03), how often each engine's quantized answers equal its own f16 ones, and
 each engine's exact match against the gold answers. Answers are cached per (engine, cache,
-prompt) by content (the GGUF's SHA-256, the token ids, the settings, this script, and the kvtune
-runtime's source or the llama.cpp libraries' bytes), so an interrupted run resumes.
+prompt) by content (the GGUF's SHA-256, the token ids, the settings, this script's answering
+functions, and the kvtune runtime's source or the llama.cpp libraries' bytes), so an interrupted
+run resumes.
 
 --timing: the decode step at batch 1 after a prompt of each --contexts length (runtime_cpu's
 random ids), kvtune's llamacpp presets and llama.cpp's three caches, each paired with kvtune's
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib.util
+import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -77,7 +79,7 @@ FP16 = "fp16"
 LLAMACPP = "llama.cpp"
 KVTUNE = "kvtune"
 # What decides a kvtune answer besides its inputs (the runtime converts the GGUF, too).
-KVTUNE_CODE = ("benchmarks.llamacpp_peer", "kvtune.runtime", "kvtune.kernels")
+KVTUNE_CODE = ("kvtune.runtime", "kvtune.kernels", "kvtune.autotune.evaluation.shared_generation")
 PREFILL_BATCH = 512  # llama.cpp's n_batch: prompt tokens a decode call takes
 CONTEXT_PAD = 256  # llama.cpp pads its context to a multiple of this
 # kvtune's caches as tables name them: fp16, and the preset matching each llama.cpp type.
@@ -122,15 +124,24 @@ def padded_context(tokens: int) -> int:
     return -(-tokens // CONTEXT_PAD) * CONTEXT_PAD
 
 
+def answer_code() -> str:
+    """SHA-256 prefix of the source of this script's functions that decide an answer (not of
+    the whole script: its tables and timing can change without discarding answers)."""
+    functions = (open_llamacpp, llamacpp_next_token, llamacpp_greedy, llamacpp_generator)
+    functions += (kvtune_generator, cached_outputs)
+    source = "".join(inspect.getsource(function) for function in functions)
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
 def llamacpp_code() -> dict[str, str]:
-    """What decides a llama.cpp answer: this script, llama-cpp-python's version and the bytes of
-    the native libraries it loads (libllama, libggml*)."""
+    """What decides a llama.cpp answer: answer_code, llama-cpp-python's version and the bytes
+    of the native libraries it loads (libllama, libggml*)."""
     import llama_cpp
 
     libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("*.so*"))
     digest = hashlib.sha256("".join(f"{p.name}:{file_digest(p)}" for p in libs).encode())
     return {
-        "script": code_key("benchmarks.llamacpp_peer")["source"],
+        "script": answer_code(),
         "llama_cpp": llama_cpp.__version__,
         "libs": digest.hexdigest()[:16],
     }
@@ -301,7 +312,7 @@ def engine_answers(
     for name, policy in kvtune_policies(folder).items():
         settings = {"policy": policy.to_dict(), "dtype": "fp32", "max_model_len": longest}
         key = shared | {"engine": KVTUNE, "cache": name, "settings": settings}
-        key["code"] = code_key(*KVTUNE_CODE)
+        key["code"] = code_key(*KVTUNE_CODE) | {"script": answer_code()}
         generate = kvtune_generator(loaded, policy, longest)
         outputs[KVTUNE, name] = cached_outputs(cache, key, items, generate)
     return outputs
@@ -386,7 +397,7 @@ def run_timing(args: argparse.Namespace) -> None:
     total_steps = args.pairs * args.steps
     longest = max(contexts) + total_steps + 2
     folder = resolve_model(MODEL)
-    vocab = arch_from_folder(folder).vocab_size
+    vocab = Tokenizer.from_folder(folder).vocab_size
     policies = kvtune_policies(folder)
     fp16 = LLM(MODEL, policies[FP16], max_model_len=longest, max_num_seqs=1)
     quantized = {t: fp16.with_policy(policies[t]) for t in CACHE_TYPES if t != "f16"}
