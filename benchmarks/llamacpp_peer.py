@@ -126,7 +126,8 @@ def padded_context(tokens: int) -> int:
 
 def answer_code() -> str:
     """SHA-256 prefix of the source of this script's functions that decide an answer (not of
-    the whole script: its tables and timing can change without discarding answers)."""
+    the whole script: its tables and timing can change without discarding answers). Read at
+    import (ANSWER_CODE): inspect reads the file on disk, which may since have been edited."""
     functions = (open_llamacpp, llamacpp_next_token, llamacpp_greedy, llamacpp_generator)
     functions += (kvtune_generator, cached_outputs)
     source = "".join(inspect.getsource(function) for function in functions)
@@ -141,7 +142,7 @@ def llamacpp_code() -> dict[str, str]:
     libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("*.so*"))
     digest = hashlib.sha256("".join(f"{p.name}:{file_digest(p)}" for p in libs).encode())
     return {
-        "script": answer_code(),
+        "script": ANSWER_CODE,
         "llama_cpp": llama_cpp.__version__,
         "libs": digest.hexdigest()[:16],
     }
@@ -314,10 +315,13 @@ def engine_answers(
     for name, policy in kvtune_policies(folder).items():
         settings = {"policy": policy.to_dict(), "dtype": "fp32", "max_model_len": longest}
         key = shared | {"engine": KVTUNE, "cache": name, "settings": settings}
-        key["code"] = code_key(*KVTUNE_CODE) | {"script": answer_code()}
+        key["code"] = code_key(*KVTUNE_CODE) | {"script": ANSWER_CODE}
         generate = kvtune_generator(loaded, policy, longest)
         outputs[KVTUNE, name] = cached_outputs(cache, key, items, generate)
     return outputs
+
+
+ANSWER_CODE = answer_code()
 
 
 def share(left: Sequence[str], right: Sequence[str]) -> float:
@@ -374,6 +378,14 @@ def report_answers(
         exact.append([engine, name, *(f"{v:.2f}" for v in by_task), f"{share(texts, gold):.2f}"])
     print("exact match against the gold answers")
     print_rows(["engine", "cache", *tasks, "all"], exact, markdown, console)
+    columns = [f"{e} {KVTUNE_NAMES[c] if e == KVTUNE else c}" for e, c in answers]
+    differing = [
+        [item.task, str(item.doc), gold[n], *(texts[n] for texts in answers.values())]
+        for n, item in enumerate(items)
+        if len({texts[n] for texts in answers.values()}) > 1
+    ]
+    print("the prompts whose answers differ between any two runs")
+    print_rows(["task", "haystack", "gold", *columns], differing, markdown, console)
 
 
 def run_answers(args: argparse.Namespace) -> None:
