@@ -92,6 +92,19 @@ def paired_ratios(ours: Callable, theirs: Callable, pairs: int, steps: int) -> l
     return runs
 
 
+def ratio_cells(runs: list[tuple]) -> list[str]:
+    """A row's cells from paired_ratios' runs: each engine's mean ms/step, then the ratio's
+    mean, its largest and every pair's."""
+    ratios = [mine / other for mine, other in runs]
+    return [
+        f"{1000 * statistics.mean(m for m, _ in runs):.1f}",
+        f"{1000 * statistics.mean(o for _, o in runs):.1f}",
+        f"{statistics.mean(ratios):.2f}",
+        f"{max(ratios):.2f}",
+        " ".join(f"{r:.2f}" for r in ratios),
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="batch x context, comma-separated")
@@ -119,18 +132,7 @@ def main() -> None:
         theirs = transformers_stepper(hf, batch_prompts)
         runs = paired_ratios(ours, theirs, args.pairs, args.steps)
         finish_running(llm.engine)
-        ratios = [mine / other for mine, other in runs]
-        lines.append(
-            [
-                str(batch),
-                str(context),
-                f"{1000 * statistics.mean(m for m, _ in runs):.1f}",
-                f"{1000 * statistics.mean(o for _, o in runs):.1f}",
-                f"{statistics.mean(ratios):.2f}",
-                f"{max(ratios):.2f}",
-                " ".join(f"{r:.2f}" for r in ratios),
-            ]
-        )
+        lines.append([str(batch), str(context), *ratio_cells(runs)])
         print(" | ".join(lines[-1]), flush=True)
     print(
         f"kvtune / transformers decode step, {MODEL}, fp32, {torch.get_num_threads()} threads, "
