@@ -11,8 +11,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtune.autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, active
+from kvtune.autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, active, screened_out
 from kvtune.autotune.study.results import TrialRecord
+from kvtune.autotune.study.screening import SCREENED_OUT_ATTR
 from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES
 
 MIB = 1 << 20
@@ -30,8 +31,10 @@ def study_progress(console: Console) -> Progress:
 
 
 def finished_trials(study: optuna.Study) -> int:
-    """Trials of the budget and engine presets that are done (all workers)."""
-    return sum(active(t) and t.state.is_finished() for t in study.get_trials(deepcopy=False))
+    """Trials of the budget and engine presets that are done (all workers; screened-out ones
+    are outside both)."""
+    trials = study.get_trials(deepcopy=False)
+    return sum(active(t) and t.state.is_finished() and not screened_out(t) for t in trials)
 
 
 def trial_summary(trial: FrozenTrial) -> str:
@@ -47,7 +50,7 @@ def trial_summary(trial: FrozenTrial) -> str:
         return f"trial {trial.number}: {', '.join(shown)}"
     if DUPLICATE_ATTR in trial.user_attrs:
         return f"trial {trial.number}: skipped, policy of trial {trial.user_attrs[DUPLICATE_ATTR]}"
-    reason = trial.user_attrs.get(FAILURE_ATTR)
+    reason = trial.user_attrs.get(FAILURE_ATTR) or trial.user_attrs.get(SCREENED_OUT_ATTR)
     return f"trial {trial.number}: {trial.state.name}" + (f" ({reason})" if reason else "")
 
 

@@ -201,6 +201,7 @@ def run_study(
         setup.constraints,
         settings.n_trials,
         engine_presets(setup.arch.cached_vector_size),
+        setup.screen(services.evaluations),
     )
     steps = InvocationSteps(settings.name)
     with trial_output(settings.folder):

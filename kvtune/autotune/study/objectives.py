@@ -14,12 +14,13 @@ every target device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,31 +272,60 @@ class TrialEvaluator:
             "code": code_key(*LATENCY_CODE),
         }
 
+    def accuracy(self, policy: KVPolicy) -> tuple[dict[str, float], bool]:
+        """The accuracy part alone (a screen's look): (metrics, whether from the cache)."""
+        fresh: list[tuple[dict[str, Any], dict[str, float]]] = []
+        with _trial_failures():
+            metrics = self._measured(self.accuracy_key, accuracy_metrics, policy, fresh)
+        self._store(fresh)
+        return metrics, not fresh
+
     def __call__(self, policy: KVPolicy) -> tuple[dict[str, float], bool]:
         """(metrics, whether every measured part came from the cache); raises TrialFailure."""
         ctx = self.context
-        parts = ((self.accuracy_key, accuracy_metrics), (self.latency_key, latency_metrics))
-        measured: dict[str, float] = {}
         fresh: list[tuple[dict[str, Any], dict[str, float]]] = []
-        try:
+        with _trial_failures():
             arithmetic = capacity_metrics(ctx.arch, policy, ctx.device, ctx.serve, ctx.workload)
-            for key_of, measure in parts:
-                key = key_of(policy)
-                values = self.cache.get(key) if self.cache else None
-                if values is None:
-                    values = measure(policy, ctx)
-                    fresh.append((key, values))
-                measured.update(values)
-        except ConfigError as error:
-            raise TrialFailure(f"invalid combination: {error}") from error
-        except (torch.OutOfMemoryError, MemoryError) as error:
-            raise TrialFailure(f"out of memory: {error}") from error
+            measured = {
+                **self._measured(self.accuracy_key, accuracy_metrics, policy, fresh),
+                **self._measured(self.latency_key, latency_metrics, policy, fresh),
+            }
         measured["measure_seconds"] = measured["eval_seconds"] + measured["latency_seconds"]
         metrics = {**measured, **arithmetic}
         bad = [name for name, value in metrics.items() if not math.isfinite(value)]
         if bad:
             raise TrialFailure(f"non-finite metrics (NaN/inf): {', '.join(bad)}")
+        self._store(fresh)
+        return metrics, not fresh
+
+    def _measured(
+        self,
+        key_of: Callable[[KVPolicy], dict[str, Any]],
+        measure: Callable[[KVPolicy, TrialContext], dict[str, float]],
+        policy: KVPolicy,
+        fresh: list[tuple[dict[str, Any], dict[str, float]]],
+    ) -> dict[str, float]:
+        """One part's values from the cache, else measured (and listed in `fresh`)."""
+        key = key_of(policy)
+        values = self.cache.get(key) if self.cache else None
+        if values is None:
+            values = measure(policy, self.context)
+            fresh.append((key, values))
+        return values
+
+    def _store(self, fresh: list[tuple[dict[str, Any], dict[str, float]]]) -> None:
+        """Cache the parts measured now (only once the whole measurement is valid)."""
         if self.cache:
             for key, values in fresh:
                 self.cache.put(key, values)
-        return metrics, not fresh
+
+
+@contextlib.contextmanager
+def _trial_failures() -> Iterator[None]:
+    """What the runtime refuses or runs out of memory on, as a TrialFailure with its reason."""
+    try:
+        yield
+    except ConfigError as error:
+        raise TrialFailure(f"invalid combination: {error}") from error
+    except (torch.OutOfMemoryError, MemoryError) as error:
+        raise TrialFailure(f"out of memory: {error}") from error

@@ -15,7 +15,9 @@ its workload next to the tuned policies. A sampled policy that the
 study already measured or is measuring (the same canonical policy, whatever params built it) is
 not run again: the trial is pruned as a duplicate and an unmeasured policy is queued in its
 place. Once every distinct policy of the search space is measured the study stops short of its
-budget (TrialObjective.exhausted).
+budget (TrialObjective.exhausted). With a screen (kvtune/autotune/study/screening.py) a drawn
+policy first passes a cheaper suite; one screened out is pruned with its reason, outside the
+budget, and the study stops once `screen.max_rejected` are.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from kvtune.autotune.search.space import SearchConfig, SearchSpace
 from kvtune.autotune.study.bookkeeping import tolerant
 from kvtune.autotune.study.objectives import Constraints, TrialFailure, directions
 from kvtune.autotune.study.recipe import recipe_differences
+from kvtune.autotune.study.screening import SCREEN_ATTR, SCREENED_OUT_ATTR, Screen
 from kvtune.autotune.study.sqlite_locking import lock_sqlite_transactions
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.policy import KVPolicy, canonical
@@ -291,18 +294,26 @@ def enqueue_engine_presets(study: optuna.Study, names: Sequence[str]) -> None:
             study.enqueue_trial({}, user_attrs={ENGINE_PRESET_ATTR: name, WARM_START_ATTR: name})
 
 
+def screened_out(trial: FrozenTrial) -> bool:
+    """Pruned by the screen: its policy failed the cheap first look (screening.py)."""
+    return trial.state == TrialState.PRUNED and SCREENED_OUT_ATTR in trial.user_attrs
+
+
 def active(trial: FrozenTrial) -> bool:
-    """Finished with a result or a reason, in flight or queued (not a surplus or duplicate)."""
+    """Finished with a result or a reason (screened out included), in flight or queued (not a
+    surplus or duplicate)."""
     if trial.user_attrs.get(SURPLUS_ATTR) or DUPLICATE_ATTR in trial.user_attrs:
         return False
     if trial.state == TrialState.FAIL:
         return FAILURE_ATTR in trial.user_attrs
+    if trial.state == TrialState.PRUNED:
+        return screened_out(trial)
     return trial.state in (TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING)
 
 
 def counted(trial: FrozenTrial) -> bool:
-    """Whether a trial uses the budget: active and not an engine preset's."""
-    return active(trial) and ENGINE_PRESET_ATTR not in trial.user_attrs
+    """Whether a trial uses the budget: active, not an engine preset's, not screened out."""
+    return active(trial) and ENGINE_PRESET_ATTR not in trial.user_attrs and not screened_out(trial)
 
 
 def policy_key(policy: KVPolicy | Mapping[str, Any]) -> str:
@@ -329,8 +340,10 @@ class TrialObjective:
         constraints: Constraints,
         n_trials: int,
         engine_presets: Mapping[str, KVPolicy] | None = None,
+        screen: Screen | None = None,
     ) -> None:
         self.space = space
+        self.screen = screen
         # Engine presets by name, as the study's model stores them (block and chunk sizes are
         # the search space's fixed ones when it fixes them).
         self.engine_presets = dict(engine_presets or {})
@@ -341,6 +354,26 @@ class TrialObjective:
         # Set once a duplicate found no unmeasured policy to queue: every distinct policy of
         # the space is measured (or in flight), so asking for more trials would loop forever.
         self.exhausted = False
+
+    def spent(self, trials: Sequence[FrozenTrial]) -> bool:
+        """No trial is worth asking for: the space is exhausted, or the screen has rejected
+        its most (screen.max_rejected)."""
+        if self.exhausted:
+            return True
+        limit = self.screen.settings.max_rejected if self.screen else None
+        return limit is not None and sum(screened_out(t) for t in trials) >= limit
+
+    def _look(self, trial: optuna.Trial, policy: KVPolicy) -> None:
+        """The screen's first look at a drawn policy; prunes it when screened out."""
+        if self.screen is None or WARM_START_ATTR in trial.user_attrs:
+            return
+        verdict = self.screen(policy)
+        trial.set_user_attr(SCREEN_ATTR, verdict.to_dict())
+        if verdict.passed:
+            return
+        trial.set_user_attr(SCREENED_OUT_ATTR, verdict.reason)
+        trial.set_constraint("min_retention", self.screen.min_retention - verdict.retention)
+        raise optuna.TrialPruned(verdict.reason)
 
     def _is_surplus(self, trial: optuna.Trial) -> bool:
         earlier = [
@@ -425,6 +458,7 @@ class TrialObjective:
             raise optuna.TrialPruned(f"policy already measured by trial {original}")
         start = time.perf_counter()
         try:
+            self._look(trial, policy)
             metrics, cached = self.evaluator(policy)
         except TrialFailure as failure:
             trial.set_user_attr(FAILURE_ATTR, failure.reason)
@@ -482,7 +516,7 @@ def run_trials(
         trials = study.get_trials(deepcopy=False)
         budget = [t for t in trials if counted(t)]
         waiting = any(t.state == TrialState.WAITING and active(t) for t in trials)
-        if (len(budget) < n_trials and not objective.exhausted) or waiting:
+        if (len(budget) < n_trials and not objective.spent(trials)) or waiting:
             study.optimize(objective, n_trials=1, catch=(TrialFailure,), callbacks=callbacks)
         elif any(t.state == TrialState.RUNNING and active(t) for t in trials):
             time.sleep(POLL_SECONDS)

@@ -28,7 +28,13 @@ from kvtune.autotune.search.attention_profile import attention_profile
 from kvtune.autotune.search.profiles import Profiles
 from kvtune.autotune.search.sensitivity import RuntimeSettings, group_layers, layer_sensitivity
 from kvtune.autotune.search.space import ALL_LAYERS, SearchConfig, SearchSpace
-from kvtune.autotune.study.objectives import Constraints, TrialContext, parse_objectives
+from kvtune.autotune.study.objectives import (
+    Constraints,
+    TrialContext,
+    TrialEvaluator,
+    parse_objectives,
+)
+from kvtune.autotune.study.screening import Screen, ScreenSettings
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import BACKENDS
 from kvtune.runtime.dtypes import compute_dtype_name
@@ -65,6 +71,10 @@ def recipe_from_config(cfg: DictConfig, command_line: Iterable[str]) -> dict[str
     recipe = {key: plain(cfg[key]) for key in RECIPE_KEYS if key not in ("arch", "eval")}
     recipe["eval"] = plain(cfg.eval) if cfg.get("eval") else workload_suite(recipe["workload"])
     recipe["arch"] = dataclasses.asdict(arch)
+    # Stored only when screening is on, so studies made before screening resume unchanged.
+    screen = plain(cfg.get("screen")) or {}
+    if ScreenSettings.from_dict(screen).suite is not None:
+        recipe["screen"] = screen
     runtime = recipe["runtime"]
     if isinstance(runtime, Mapping) and "dtype" in runtime:  # one spelling in the stored recipe
         dtype = compute_dtype_name(runtime["dtype"], arch.dtype, field="runtime.dtype")
@@ -109,6 +119,8 @@ class TuneSetup:
     constraints: Constraints
     suite: Mapping[str, Any]
     runtime: RuntimeSettings
+    screening: ScreenSettings = ScreenSettings()
+    screen_suite: Mapping[str, Any] | None = None
 
     def trial_context(self) -> TrialContext:
         return TrialContext(
@@ -121,6 +133,14 @@ class TuneSetup:
             suite=self.suite,
             runtime=self.runtime,
         )
+
+    def screen(self, cache: JsonCache | None) -> Screen | None:
+        """The cheap first look at drawn policies (None without screen.suite)."""
+        if self.screen_suite is None or self.constraints.min_retention is None:
+            return None
+        context = dataclasses.replace(self.trial_context(), suite=self.screen_suite)
+        measure = TrialEvaluator(context, cache).accuracy
+        return Screen(self.screening, measure, self.constraints.min_retention)
 
     def search_space(self, profile_cache: JsonCache) -> SearchSpace:
         """Resolve the layer groups and measure the profiles the space derives from (each on
@@ -173,6 +193,23 @@ def _suite(eval_cfg: Mapping[str, Any], model: str, runtime: RuntimeSettings) ->
     return load_suite(data).to_dict()
 
 
+def _screen_suite(
+    screening: ScreenSettings, constraints: Constraints, model: str, runtime: RuntimeSettings
+) -> dict[str, Any] | None:
+    """The screening suite's preset with the study's model and runtime, validated."""
+    from kvtune.autotune.evaluation.suite import suite_fields
+
+    if screening.suite is None:
+        return None
+    if constraints.min_retention is None:
+        raise ConfigError(
+            "screen.suite",
+            screening.suite,
+            "null unless constraints.min_retention is set (the screen's threshold)",
+        )
+    return _suite(suite_fields(screening.suite, field="screen.suite"), model, runtime)
+
+
 def build_setup(recipe: Mapping[str, Any]) -> TuneSetup:
     """Validate a recipe into a TuneSetup (cheap; the embedded model converts on first use)."""
     arch = ModelArch(**recipe["arch"])
@@ -186,6 +223,8 @@ def build_setup(recipe: Mapping[str, Any]) -> TuneSetup:
         "expected_context_len": workload.context_len,
     }
     runtime = _runtime(recipe["runtime"])
+    constraints = Constraints.from_dict(recipe["constraints"])
+    screening = ScreenSettings.from_dict(recipe.get("screen"))
     return TuneSetup(
         recipe=dict(recipe),
         model=model,
@@ -196,7 +235,9 @@ def build_setup(recipe: Mapping[str, Any]) -> TuneSetup:
         workload=workload,
         search=SearchConfig.from_dict(recipe["search"], arch),
         objectives=parse_objectives(recipe["objectives"]),
-        constraints=Constraints.from_dict(recipe["constraints"]),
+        constraints=constraints,
         suite=_suite(recipe["eval"], model, runtime),
         runtime=runtime,
+        screening=screening,
+        screen_suite=_screen_suite(screening, constraints, model, runtime),
     )

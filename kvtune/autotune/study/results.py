@@ -17,7 +17,14 @@ import optuna
 from optuna.trial import TrialState
 
 from kvtune.autotune.study.objectives import MAXIMIZE, METRICS
-from kvtune.autotune.study.optuna_study import FAILURE_ATTR, POLICY_ATTR, SURPLUS_ATTR, policy_key
+from kvtune.autotune.study.optuna_study import (
+    FAILURE_ATTR,
+    POLICY_ATTR,
+    SURPLUS_ATTR,
+    policy_key,
+    screened_out,
+)
+from kvtune.autotune.study.screening import SCREENED_OUT_ATTR
 from kvtune.runtime.arch import GIB
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_dtypes import KV_DTYPE_INFO, KV_DTYPES
@@ -47,12 +54,13 @@ class TrialRecord:
 def trial_records(study: optuna.Study) -> list[TrialRecord]:
     """Every trial that measured a policy, one per policy (the first; studies made before
     duplicates were refused may hold repeats), without surplus and duplicate trials (pruned
-    before measuring anything)."""
+    before measuring anything); a screened-out trial is listed with its reason."""
     records = []
     seen: set[str] = set()
     for trial in study.get_trials(deepcopy=False):
         attrs = trial.user_attrs
-        if attrs.get(SURPLUS_ATTR) or trial.state in (TrialState.WAITING, TrialState.PRUNED):
+        pruned = trial.state == TrialState.PRUNED and not screened_out(trial)
+        if attrs.get(SURPLUS_ATTR) or trial.state == TrialState.WAITING or pruned:
             continue
         policy = attrs.get(POLICY_ATTR)
         if policy:
@@ -67,7 +75,7 @@ def trial_records(study: optuna.Study) -> list[TrialRecord]:
                 policy=KVPolicy.from_dict(policy) if policy else None,
                 metrics=dict(attrs.get("metrics", {})),
                 feasible=all(v <= 0 for v in trial.constraints.values()),
-                failure_reason=attrs.get(FAILURE_ATTR),
+                failure_reason=attrs.get(FAILURE_ATTR) or attrs.get(SCREENED_OUT_ATTR),
                 warm_start=attrs.get("warm_start"),
             )
         )

@@ -31,8 +31,9 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.autotune.study.bookkeeping import ERROR_ATTR
-from kvtune.autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR
+from kvtune.autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR, screened_out
 from kvtune.autotune.study.results import policy_columns
+from kvtune.autotune.study.screening import SCREEN_ATTR, SCREENED_OUT_ATTR
 from kvtune.runtime.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,9 @@ class StudyTracker:
 
     def log_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         """Optuna callback: one child run for a finished trial (surplus ones never ran)."""
-        if trial.user_attrs.get(SURPLUS_ATTR) or trial.state == TrialState.PRUNED:
+        if trial.user_attrs.get(SURPLUS_ATTR) or (
+            trial.state == TrialState.PRUNED and not screened_out(trial)
+        ):
             return
         tags = {
             "mlflow.parentRunId": self.parent_id,
@@ -124,8 +127,9 @@ class StudyTracker:
             "state": trial.state.name,
             "pareto": "false",
         }
-        if FAILURE_ATTR in trial.user_attrs:
-            tags["failure_reason"] = str(trial.user_attrs[FAILURE_ATTR])[:5000]
+        reason = trial.user_attrs.get(FAILURE_ATTR) or trial.user_attrs.get(SCREENED_OUT_ATTR)
+        if reason:
+            tags["failure_reason"] = str(reason)[:5000]
         if "warm_start" in trial.user_attrs:
             tags["warm_start"] = trial.user_attrs["warm_start"]
         run_id = self.client.create_run(
@@ -152,6 +156,9 @@ class StudyTracker:
             Metric(name, float(value), now, 0)
             for name, value in trial.user_attrs.get("metrics", {}).items()
         ]
+        for name, value in trial.user_attrs.get(SCREEN_ATTR, {}).items():
+            if name in ("accuracy_retention", "seconds"):
+                metrics.append(Metric(f"screen_{name}", float(value), now, 0))
         if "cached" in trial.user_attrs:
             metrics.append(Metric("cached", float(trial.user_attrs["cached"]), now, 0))
             metrics.append(Metric("trial_seconds", float(trial.user_attrs["seconds"]), now, 0))
