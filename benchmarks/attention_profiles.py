@@ -3,7 +3,7 @@
 Measures (or reads from the profiles cache `kvtune tune` uses) the per-layer attention profile
 at a context (kvtune/autotune/search/attention_profile.py) with the geometry a conf/search space
 takes, then prints each layer's figures and the space's derived selection groups: each group's
-mean need, budget share and reuse, and the csa_topk candidate, as `kvtune tune` would draw them.
+largest need, budget share and reuse, and the csa_topk candidate, as `kvtune tune` would draw them.
 
     .venv/bin/python -m benchmarks.attention_profiles [--model smollm2-135m] [--context 2048]
         [--search default] [--groups 3]
@@ -57,7 +57,7 @@ def main() -> None:
     groups = profiles.selection_groups(args.groups, arch.num_layers)
     assert groups is not None
     print(f"\ncsa_topk candidate: {profiles.budget(groups)} blocks of {geometry.block_size}")
-    print("| selection group | layers | mean need | share | reuses |")
+    print("| selection group | layers | largest need | share | reuses |")
     print("|---|---|---|---|---|")
     derived = zip(
         groups,

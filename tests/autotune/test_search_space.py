@@ -170,19 +170,20 @@ def attention(need, overlap, outlier) -> AttentionProfile:
 
 
 def test_the_selecting_start_reads_its_budgets_reuse_and_key_axis_off_the_profile():
-    """Layers grouped by the blocks they need; csa_topk the neediest group's mean need, each
-    group its need over that (rounded up to hundredths), reused (4) where its choices persist
-    (mean overlap >= 0.8), per-channel keys where the median layer's key outliers are >= 2."""
-    profile = attention([70, 10, 40, 12, 38, 80], [0.5, 0.9, 0.75, 0.95, 0.9, 0.7], 5.0)
+    """Layers grouped by the blocks they need; csa_topk the neediest layer's need, each group
+    its neediest layer's need over that (rounded up to hundredths), reused (4) where its
+    choices persist (mean overlap >= 0.8), per-channel keys where the median layer's key
+    outliers are >= 2."""
+    profile = attention([70, 10, 40, 12, 42, 80], [0.5, 0.9, 0.75, 0.95, 0.9, 0.7], 5.0)
     search = SearchSpace(
         SearchConfig.from_dict({**SEARCH, **SELECTING}, ARCH), GROUPS, 6, Profiles(None, profile)
     )
     assert search.selection_groups == ((1, 3), (2, 4), (0, 5))
-    assert search.knobs["csa_topk"] == (0, 16, 48, 75)  # the groups' needs: 11, 39, 75
-    assert search.distributions()["csa_topk_share_s0"].choices == (0.15, 0.5, 1)  # 11/75
-    assert search.distributions()["csa_topk_share_s1"].choices == (0.5, 0.52, 1)  # 39/75
+    assert search.knobs["csa_topk"] == (0, 16, 48, 80)  # the groups' largest needs: 12, 42, 80
+    assert search.distributions()["csa_topk_share_s0"].choices == (0.15, 0.5, 1)  # 12/80
+    assert search.distributions()["csa_topk_share_s1"].choices == (0.5, 0.53, 1)  # 42/80
     policy = search.policy(search.warm_starts()["profile-selecting"])
-    assert policy.layer_topk(6) == [75, 12, 39, 12, 39, 75]  # ceil(75 x 0.15), ceil(75 x .52)
+    assert policy.layer_topk(6) == [80, 12, 43, 12, 43, 80]  # ceil(80 x 0.15), ceil(80 x .53)
     assert policy.layer_select_every(6) == [1, 4, 4, 4, 4, 1]
     assert (policy.csa_ratio, policy.csa_window, policy.csa_sinks, policy.block_size) == (
         2,

@@ -2,18 +2,27 @@
 
 Selection budgets, their reuse and the key format differ by model and by context length, so
 kvtune measures them on the model at the study's context instead of typing in a table from one
-benchmark. Prompts: pass-key haystacks from the suite's own generator (a seed no suite uses) at
-the study's context; no gold answer is read, so the profile needs no labels. One exact prefill
+benchmark. Prompts: haystacks of the suite's own generator (a seed no suite uses) at the
+study's context, PROFILE_PROMPTS of each family in PROFILE_TASKS: one needle (pass key) and
+several look-alike needles (multikey), where deep layers must tell the asked key's block from
+its neighbours' and read more blocks (SmolLM2 at 2K: layers 16-21 need 1.5-2.7 times the pass
+key's blocks); no gold answer is read, so the profile needs no labels. One exact prefill
 each (DenseCausalAttention); the figures come from the last PROBE_QUERIES prompt positions
 (the question and the answer's opening, where retrieval happens), per layer:
 
 - older_mass: attention mass on older blocks (after the sinks, before the window, in whole
   blocks as the cache pools them), the largest over query heads;
-- blocks_needed: the fewest older blocks a KV head must read so that no query head of it leaves
-  more than MISSED_MASS of its attention on blocks not read (largest over KV heads): the budget
-  that bounds the error selection adds;
+- blocks_needed: how deep into the selector's ranking a KV head must read so that no query head
+  of it leaves more than MISSED_MASS of its attention on blocks not read (largest over KV
+  heads): the budget that bounds the error selection adds. The ranking is the runtime's default
+  index, key bounds in the model's basis (Quest; kernels/selection/blocks.py): a block scores
+  the upper bound of q.k over its keys, a KV head takes its query heads' largest. Ranking by
+  the attention mass itself (an oracle no index has) asked 0.3-0.6 of these budgets in SmolLM2's
+  deep layers, and a start at those budgets lost multikey and codes (RESULTS.md, "Attention
+  profiles");
 - choice_overlap: the share of those blocks that the query REUSE_DISTANCE positions earlier
-  needed too (a choice reused for several positions, LServe-style, loses little where it is high);
+  would read at the same depth of its own ranking (a choice reused for several positions,
+  LServe-style, loses little where it is high);
 - key_outlier: each KV head's largest per-channel key magnitude over its median channel's
   (post-RoPE keys, as cached), the largest over heads: channel outliers want per-channel key
   scales (KIVI) or a rotation.
@@ -43,9 +52,9 @@ from kvtune.runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-PROFILE_TASK = "passkey"
+PROFILE_TASKS = ("passkey", "multikey")
 PROFILE_SEED = 7919  # no suite draws from it
-PROFILE_PROMPTS = 2
+PROFILE_PROMPTS = 2  # of each task
 PROBE_QUERIES = 8
 REUSE_DISTANCE = 4
 MISSED_MASS = 0.05
@@ -85,13 +94,26 @@ class AttentionProfile:
         return cls(Geometry(**data["geometry"]), **figures)
 
 
-def _blocks_to_read(block_mass: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """From one query's older-block masses [Hq, blocks]: each KV head's blocks in the order it
-    reads them ([Hkv, blocks], by its largest query-head mass) and how many it must read
-    ([Hkv]) so that no query head leaves more than MISSED_MASS unread."""
+def _bound_scores(
+    query: torch.Tensor, high: torch.Tensor, low: torch.Tensor, group: int
+) -> torch.Tensor:
+    """[Hkv, blocks]: what the bounds index scores each older block by for one query [Hq, D],
+    from the blocks' per-channel key maxima and minima [blocks, Hkv, D]: each query head's upper
+    bound of q.k, the largest over a KV head's query heads."""
+    per_head = torch.einsum("hd,bhd->hb", query.clamp(min=0), high.repeat_interleave(group, 1))
+    per_head += torch.einsum("hd,bhd->hb", query.clamp(max=0), low.repeat_interleave(group, 1))
+    return per_head.view(-1, group, per_head.shape[-1]).amax(1)
+
+
+def _blocks_to_read(
+    block_mass: torch.Tensor, scores: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """From one query's older-block masses [Hq, blocks] and the selector's scores [Hkv, blocks]:
+    each KV head's blocks in the order it reads them ([Hkv, blocks], best score first) and how
+    many it must read ([Hkv]) so that no query head leaves more than MISSED_MASS unread."""
     heads, blocks = block_mass.shape
     per_kv = block_mass.view(heads // group, group, blocks)
-    order = per_kv.amax(1).argsort(dim=-1, descending=True)
+    order = scores.argsort(dim=-1, descending=True)
     ordered = per_kv.gather(2, order[:, None, :].expand(-1, group, -1))
     total = per_kv.sum(-1, keepdim=True)
     # unread[h, g, n]: what query head g leaves unread after its KV head's first n blocks
@@ -123,7 +145,12 @@ def layer_figures(
     probs = logits.softmax(-1)
     block_mass = probs[:, :, start:end].unflatten(-1, (blocks, geometry.block_size)).sum(-1)
     older = block_mass.sum(-1).amax(-1).mean().item()
-    picks = [_blocks_to_read(mass, group) for mass in block_mass]
+    block_keys = k[start:end].float().unflatten(0, (blocks, geometry.block_size))
+    high, low = block_keys.amax(1), block_keys.amin(1)  # [blocks, Hkv, D]
+    picks = [
+        _blocks_to_read(mass, _bound_scores(q[position].float(), high, low, group), group)
+        for position, mass in zip(last.tolist(), block_mass, strict=True)
+    ]
     needed = torch.stack([n for _, n in picks]).float()  # [P, Hkv]
     order_now, needed_now = picks[-1]
     order_before = picks[-1 - REUSE_DISTANCE][0]
@@ -137,10 +164,13 @@ def layer_figures(
 
 
 def profile_prompts(tokenizer: Tokenizer, context: int) -> list[list[int]]:
-    """Token ids of the profile's haystacks, each ending where the pass key is due."""
-    gen = GenContext(random.Random(PROFILE_SEED), tokenizer, context)
-    rows = TASKS[PROFILE_TASK].build(gen, TaskSize(docs=PROFILE_PROMPTS, questions=1))
-    return [tokenizer.encode(row["context"]) for row in rows]
+    """Token ids of the profile's haystacks, each ending where its answer is due."""
+    prompts = []
+    for task in PROFILE_TASKS:
+        gen = GenContext(random.Random(PROFILE_SEED), tokenizer, context)
+        rows = TASKS[task].build(gen, TaskSize(docs=PROFILE_PROMPTS, questions=1))
+        prompts += [tokenizer.encode(row["context"]) for row in rows]
+    return prompts
 
 
 def prompt_figures(

@@ -6,8 +6,10 @@ study's context (attention_profile.py). From them:
 
 - selection groups: layers grouped by the older blocks they need, so the budget and its reuse
   are drawn per group of layers that retrieve alike (the K/V dtypes keep the sensitivity groups);
-- per selection group, a budget share candidate: its layers' need over the neediest group's;
-- a csa_topk candidate: the neediest group's need, in blocks of the profile's block size;
+- per selection group, a budget share candidate: its neediest layer's need over the neediest
+  layer's of all (a group's budget covers each of its layers: a layer read short of its need
+  loses more than the bytes it saves, RESULTS.md "Attention profiles");
+- a csa_topk candidate: the neediest layer's need, in blocks of the profile's block size;
 - the warm starts beyond the baseline (`starts`): 4-bit codes where fp4 costs little, the most
   precise dtype in a group whose fp4 cost stands out, per-channel keys where the keys have
   channel outliers; then the same formats with selection at the profile's budgets, each group's
@@ -56,10 +58,10 @@ class Profiles:
         return group_layers(self.attention.blocks_needed, count)
 
     def group_needs(self, groups: Sequence[Sequence[int]]) -> list[float]:
-        """Mean older blocks a layer of each group needs."""
+        """The older blocks each group's neediest layer needs."""
         assert self.attention is not None
         need = self.attention.blocks_needed
-        return [statistics.fmean(need[layer] for layer in layers) for layers in groups]
+        return [max(need[layer] for layer in layers) for layers in groups]
 
     def budget(self, groups: Sequence[Sequence[int]]) -> int:
         """csa_topk at the profile's block size: the neediest group's need (at least a block)."""
