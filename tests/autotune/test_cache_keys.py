@@ -13,7 +13,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from benchmarks.eval_validity import validity_key
-from benchmarks.search_efficiency import fidelity_key
 from kvtune.autotune.cache import JsonCache, key_digest
 from kvtune.autotune.config.settings import DeviceSpec, ServeSettings
 from kvtune.autotune.config.workload import Workload
@@ -188,7 +187,6 @@ def test_no_key_holds_a_path(tiny_model_folder, trial_context, tmp_path):
             evaluator.latency_key(POLICY),
             sensitivity_key(folder, RuntimeSettings()),
             validity_key(POLICY, suite),
-            fidelity_key(model_fingerprint(folder), [1, 2, 3], POLICY, RuntimeSettings()),
         ]
 
     original, copied = keys(tiny_model_folder, trial_context), keys(copy, copied_context)
@@ -241,7 +239,6 @@ def test_every_key_names_the_compute_path(tiny_model_folder, trial_context, monk
                 evaluator.latency_key(POLICY),
                 sensitivity_key(tiny_model_folder, RuntimeSettings()),
                 validity_key(POLICY, suite),
-                fidelity_key(model_fingerprint(tiny_model_folder), [1], POLICY, RuntimeSettings()),
             )
         ]
 
