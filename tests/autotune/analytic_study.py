@@ -4,6 +4,9 @@ is the study machinery (budget, warm starts, failures, resume, tracking, picks),
 must follow from known objective values; the measured objective (runtime and suite) is tested
 end to end by test_tune_cli.py and test_workers_postgres.py."""
 
+import threading
+from collections.abc import Callable
+
 import optuna
 
 from kvtune.autotune.search.space import SearchConfig, SearchSpace
@@ -72,3 +75,16 @@ def objective(measure=analytic_measure, n_trials=6, min_retention=None):
     return TrialObjective(
         search_space(), measure, OBJECTIVES, Constraints(min_retention=min_retention), n_trials
     )
+
+
+def finishes(run: Callable[[], None], seconds: float = 120) -> bool:
+    """Whether run() (a study loop) returns within `seconds`; a daemon thread, so a study that
+    loops forever fails its test instead of hanging the suite."""
+    finished = threading.Event()
+
+    def target() -> None:
+        run()
+        finished.set()
+
+    threading.Thread(target=target, daemon=True).start()
+    return finished.wait(timeout=seconds)

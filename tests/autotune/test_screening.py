@@ -7,7 +7,6 @@ each policy's dtypes, counted here; the presets are checked against their YAML f
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import optuna
@@ -37,6 +36,7 @@ from kvtune.runtime.errors import ConfigError
 from tests.autotune.analytic_study import (
     OBJECTIVES,
     analytic_measure,
+    finishes,
     new_study,
     search_space,
 )
@@ -122,14 +122,9 @@ def test_the_study_stops_once_the_screen_has_rejected_its_most(tmp_path):
     enqueue_warm_starts(study, search_space(), 10)
     full = Recorder()
     objective = screened_objective(Recorder(retention=0.0), full, 10, max_rejected=3)
-    finished = threading.Event()
-
-    def run() -> None:
-        run_trials(study, objective, 10)
-        finished.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert finished.wait(timeout=120), "the study kept drawing after the screen's limit"
+    assert finishes(lambda: run_trials(study, objective, 10)), (
+        "the study kept drawing after the screen's limit"
+    )
     trials = study.get_trials()
     assert sum(screened_out(t) for t in trials) == 3
     warm = [t for t in trials if "warm_start" in t.user_attrs]

@@ -40,6 +40,7 @@ from tests.autotune.analytic_study import (
     RECIPE,
     SEARCH,
     analytic_measure,
+    finishes,
     new_study,
     objective,
     refuse_compression,
@@ -158,14 +159,9 @@ def test_a_trial_whose_worker_died_before_its_heartbeat_is_failed_and_retried(tm
     settings, study = new_study(tmp_path)
     enqueue_warm_starts(study, search_space(), 1)
     orphan = study.ask()  # taken, never started: no heartbeat, no objective
-    finished = threading.Event()
-
-    def run() -> None:
-        run_trials(study, objective(n_trials=3), 3, orphan_after_s=0.0)
-        finished.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert finished.wait(timeout=120), "the study waited on the orphaned trial"
+    assert finishes(lambda: run_trials(study, objective(n_trials=3), 3, orphan_after_s=0.0)), (
+        "the study waited on the orphaned trial"
+    )
     trials = study.get_trials()
     assert trials[orphan.number].state == TrialState.FAIL
     assert FAILURE_ATTR not in trials[orphan.number].user_attrs  # not counted: lost, not refused
@@ -233,14 +229,9 @@ def test_an_exhausted_space_stops_the_study_short_of_its_budget(tmp_path):
     settings, study = new_study(tmp_path)
     study.sampler = optuna.samplers.TPESampler(seed=0, n_startup_trials=2)
     objective = few_policies_objective(measure, 20)
-    finished = threading.Event()
-
-    def run() -> None:
-        run_trials(study, objective, 20)
-        finished.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    assert finished.wait(timeout=120), "the study kept asking for trials in an exhausted space"
+    assert finishes(lambda: run_trials(study, objective, 20)), (
+        "the study kept asking for trials in an exhausted space"
+    )
     assert objective.exhausted
     assert sorted(measure.policies, key=str) == sorted(DISTINCT, key=str)
     assert sum(t.state == TrialState.COMPLETE for t in study.get_trials()) == 7
