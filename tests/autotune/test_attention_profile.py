@@ -86,7 +86,7 @@ def reference_figures(
         max(sum(block_mass(h, p, b) for b in range(blocks)) for h in range(heads)) for p in probes
     ) / len(probes)
     chosen = {p: [reads(p, kv) for kv in range(kv_heads)] for p in probes}
-    needed = sum(max(len(c) for c in chosen[p]) for p in probes) / len(probes)
+    needed = max(len(c) for p in probes for c in chosen[p])  # the worst probe's KV head
     last, before = tokens - 1, tokens - 1 - REUSE_DISTANCE
     overlaps = []
     for kv in range(kv_heads):
@@ -139,7 +139,7 @@ def test_figures_match_transformers_attention(folder, prompt):
         expected = reference_figures(out.attentions[layer][0], queries[layer], keys)
         older, needed, overlap, outlier = figures
         assert older == pytest.approx(expected[0], abs=1e-4), layer
-        assert needed == pytest.approx(expected[1], abs=0.126), layer  # one query off by a block
+        assert needed == pytest.approx(expected[1], abs=1), layer  # a near-tie: one block
         assert overlap == pytest.approx(expected[2], abs=0.05), layer
         assert outlier == pytest.approx(expected[3], rel=1e-3), layer
     # The prompt needs blocks somewhere and not everywhere, or the test would show nothing.

@@ -13,7 +13,7 @@ study's context (attention_profile.py). From them:
 - the warm starts beyond the baseline (`starts`): 4-bit codes where fp4 costs little, the most
   precise dtype in a group whose fp4 cost stands out, per-channel keys where the keys have
   channel outliers; then the same formats with selection at the profile's budgets, each group's
-  choice reused where it persists.
+  choice reused where it persists, staged in one pool the layers share where the space can.
 """
 
 from __future__ import annotations
@@ -141,6 +141,9 @@ def selection_start(
         "csa_topk": profiles.budget(groups),
         **_candidate(knobs, "csa_summary", NO_SUMMARY),
         **_candidate(knobs, "csa_index_dtype", "int4"),
+        # One staging pool the layers fill in turn: per-layer staging's answers (0.825 both on
+        # the main job, RESULTS.md) at 0.16 of its device bytes.
+        **_candidate(knobs, "csa_staging", "streamed"),
     }
     every = max(knobs["csa_select_every"])
     for index, (share, reuse) in enumerate(

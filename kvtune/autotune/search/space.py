@@ -394,10 +394,10 @@ class SearchSpace:
         (profiles.py), none typed in: the baseline (the most precise dtype everywhere, no
         compression); `profile-formats`, 4-bit codes except in dtype groups whose fp4 cost
         stands out; `profile-selecting`, those formats with selection at the attention
-        profile's budgets and reuse, and its `-streamed` twin (one staging pool the layers
-        share). Other knobs take the space's default where it is a candidate, else the first
-        (csa_ratio and recent_unquantized their smallest); a start whose own knobs are not all
-        candidates is left out."""
+        profile's budgets and reuse, staged in one pool the layers share where the space offers
+        `streamed` (profiles.selection_start). Other knobs take the space's default where it is
+        a candidate, else the first (csa_ratio and recent_unquantized their smallest); a start
+        whose own knobs are not all candidates is left out."""
         fixed = {
             name: (_default(name) if _default(name) in choices else choices[0])
             for name, choices in self.knobs.items()
@@ -415,8 +415,6 @@ class SearchSpace:
             selecting = selection_start(self.profiles, self.selection_groups, self.knobs)
             if selecting is not None:
                 layouts["profile-selecting"] = (formats[0], {**formats[1], **selecting})
-                streamed = {**formats[1], **selecting, "csa_staging": "streamed"}
-                layouts["profile-selecting-streamed"] = (formats[0], streamed)
         choices = {**self.knobs, **self._group_choices()}
         distributions = self.distributions()
         starts = {}
