@@ -11,9 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvtune.autotune.study.optuna_study import DUPLICATE_ATTR, FAILURE_ATTR, active, screened_out
+from kvtune.autotune.study.optuna_study import (
+    DUPLICATE_ATTR,
+    active,
+    screened_out,
+    trial_reason,
+)
 from kvtune.autotune.study.results import TrialRecord
-from kvtune.autotune.study.screening import SCREENED_OUT_ATTR
 from kvtune.kernels.formats.kv_format import QUANTIZED_DTYPES
 
 MIB = 1 << 20
@@ -50,7 +54,7 @@ def trial_summary(trial: FrozenTrial) -> str:
         return f"trial {trial.number}: {', '.join(shown)}"
     if DUPLICATE_ATTR in trial.user_attrs:
         return f"trial {trial.number}: skipped, policy of trial {trial.user_attrs[DUPLICATE_ATTR]}"
-    reason = trial.user_attrs.get(FAILURE_ATTR) or trial.user_attrs.get(SCREENED_OUT_ATTR)
+    reason = trial_reason(trial)
     return f"trial {trial.number}: {trial.state.name}" + (f" ({reason})" if reason else "")
 
 

@@ -299,6 +299,11 @@ def screened_out(trial: FrozenTrial) -> bool:
     return trial.state == TrialState.PRUNED and SCREENED_OUT_ATTR in trial.user_attrs
 
 
+def trial_reason(trial: FrozenTrial) -> str | None:
+    """Why a trial has no result: its failure, or the screen's verdict."""
+    return trial.user_attrs.get(FAILURE_ATTR) or trial.user_attrs.get(SCREENED_OUT_ATTR)
+
+
 def active(trial: FrozenTrial) -> bool:
     """Finished with a result or a reason (screened out included), in flight or queued (not a
     surplus or duplicate)."""

@@ -18,13 +18,12 @@ from optuna.trial import TrialState
 
 from kvtune.autotune.study.objectives import MAXIMIZE, METRICS
 from kvtune.autotune.study.optuna_study import (
-    FAILURE_ATTR,
     POLICY_ATTR,
     SURPLUS_ATTR,
     policy_key,
     screened_out,
+    trial_reason,
 )
-from kvtune.autotune.study.screening import SCREENED_OUT_ATTR
 from kvtune.runtime.arch import GIB
 from kvtune.runtime.errors import ConfigError
 from kvtune.runtime.kv_dtypes import KV_DTYPE_INFO, KV_DTYPES
@@ -75,7 +74,7 @@ def trial_records(study: optuna.Study) -> list[TrialRecord]:
                 policy=KVPolicy.from_dict(policy) if policy else None,
                 metrics=dict(attrs.get("metrics", {})),
                 feasible=all(v <= 0 for v in trial.constraints.values()),
-                failure_reason=attrs.get(FAILURE_ATTR) or attrs.get(SCREENED_OUT_ATTR),
+                failure_reason=trial_reason(trial),
                 warm_start=attrs.get("warm_start"),
             )
         )

@@ -31,9 +31,9 @@ from mlflow.entities import Metric, Param, RunStatus, RunTag
 from optuna.trial import FrozenTrial, TrialState
 
 from kvtune.autotune.study.bookkeeping import ERROR_ATTR
-from kvtune.autotune.study.optuna_study import FAILURE_ATTR, SURPLUS_ATTR, screened_out
+from kvtune.autotune.study.optuna_study import SURPLUS_ATTR, screened_out, trial_reason
 from kvtune.autotune.study.results import policy_columns
-from kvtune.autotune.study.screening import SCREEN_ATTR, SCREENED_OUT_ATTR
+from kvtune.autotune.study.screening import SCREEN_ATTR
 from kvtune.runtime.policy import KVPolicy
 
 logger = logging.getLogger(__name__)
@@ -127,7 +127,7 @@ class StudyTracker:
             "state": trial.state.name,
             "pareto": "false",
         }
-        reason = trial.user_attrs.get(FAILURE_ATTR) or trial.user_attrs.get(SCREENED_OUT_ATTR)
+        reason = trial_reason(trial)
         if reason:
             tags["failure_reason"] = str(reason)[:5000]
         if "warm_start" in trial.user_attrs:
