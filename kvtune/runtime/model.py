@@ -129,18 +129,40 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+# Projections that read the same input, stored as one matrix (a checkpoint's rows stacked in
+# this order) so that a decode step reads them in one matmul instead of several small ones.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """The checkpoint's state with each layer's FUSED_PROJECTIONS stacked into one weight (and
+    bias, where the checkpoint has them)."""
+    fused = dict(state)
+    for layer in range(num_layers):
+        for target, parts in FUSED_PROJECTIONS.items():
+            for kind in ("weight", "bias"):
+                names = [f"layers.{layer}.{part}.{kind}" for part in parts]
+                if names[0] in fused:
+                    stacked = torch.cat([fused.pop(name) for name in names])
+                    fused[f"layers.{layer}.{target}.{kind}"] = stacked
+    return fused
+
+
 class MLP(nn.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), gate and up in one matmul."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class SelfAttention(nn.Module):
@@ -154,18 +176,18 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         hidden, q_size = config.hidden_size, self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(hidden, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=config.qkv_bias)
+        self.qkv_proj = nn.Linear(hidden, q_size + 2 * kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_size, hidden, bias=config.o_bias)
+        self.splits = (q_size, kv_size, kv_size)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: Attention
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
         out = attention(self.layer_index, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
@@ -251,6 +273,7 @@ class DecoderModel(nn.Module):
             for name, tensor in checkpoint.tensors(torch_dtype)
             if not (model.lm_head is None and name == "lm_head.weight")
         }
+        state = fuse_projections(state, checkpoint.config.num_layers)
         model.load_state_dict(state, strict=True, assign=True)
         model.to(device).requires_grad_(False).eval()
         logger.info(
