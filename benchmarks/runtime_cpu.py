@@ -1,8 +1,9 @@
 """kvtune's decode step against transformers' on the same model, dtype, prompts and threads.
 
 For each batch x context shape both engines prefill the same random prompts once (kvtune: the
-engine with an `auto` KV cache, torch backend, chunked prefill; transformers: one forward on
-its dynamic cache with SDPA, logits of the last position only), then take turns: --steps
+engine with an fp16 KV cache (--cache: any element format, or auto for the model's fp32),
+torch backend, chunked prefill; transformers: one forward on its dynamic cache (fp32, the
+model's dtype) with SDPA, logits of the last position only), then take turns: --steps
 decode steps of the whole batch timed on one engine, then on the other (the first engine
 alternates from pair to pair), --pairs times. Each pair gives one ratio, kvtune's time per
 step over transformers'; the table shows every pair's ratio, their mean and the largest
@@ -10,7 +11,7 @@ step over transformers'; the table shows every pair's ratio, their mean and the 
 pairs x steps tokens while timed, the same for both engines.
 
     .venv/bin/python -m benchmarks.runtime_cpu [--shapes 1x512,8x512,1x4096,8x4096,1x8000]
-        [--pairs 6] [--steps 8] [--markdown]
+        [--cache fp16] [--pairs 6] [--steps 8] [--markdown]
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def ratio_cells(runs: list[tuple]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=DEFAULT_SHAPES, help="batch x context, comma-separated")
+    parser.add_argument("--cache", default="fp16", help="kvtune's K and V element format")
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed a run")
     parser.add_argument("--markdown", action="store_true")
@@ -118,7 +120,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     llm = LLM(
         MODEL,
-        policy=KVPolicy("auto", "auto"),
+        policy=KVPolicy(args.cache, args.cache),
         max_model_len=longest,
         max_num_seqs=max(batch for batch, _ in shapes),
         max_num_batched_tokens=2048,
@@ -135,7 +137,8 @@ def main() -> None:
         lines.append([str(batch), str(context), *ratio_cells(runs)])
         print(" | ".join(lines[-1]), flush=True)
     print(
-        f"kvtune / transformers decode step, {MODEL}, fp32, {torch.get_num_threads()} threads, "
+        f"kvtune ({args.cache} cache) / transformers decode step, {MODEL}, fp32, "
+        f"{torch.get_num_threads()} threads, "
         f"{args.steps} steps a run, {args.pairs} pairs"
     )
     print_rows(headers, lines, args.markdown, Console())
