@@ -15,6 +15,7 @@ import torch
 
 from kvtune.kernels.attention.paged import PagedStream
 from kvtune.kernels.cache.rope_align import summary_alignment
+from kvtune.kernels.formats.ggml_queries import round_queries
 from kvtune.kernels.formats.rotation import rotate, rotate_queries, unrotate
 from kvtune.runtime.arch import ModelArch
 from kvtune.runtime.backends import CacheOps
@@ -64,6 +65,8 @@ class KVCache:
         self.layouts = StepLayouts(policy, device, reuse_periods)
         self.kept = KeptBlocks(policy, arch.cached_heads, device) if policy.keeps else None
         all_formats = layer_formats(arch, policy)
+        # llama.cpp's K types meet 8-bit queries (kvtune/kernels/formats/ggml_queries.py).
+        self.rounds_queries = [f.k.element.ggml_block for f in all_formats]
         self.clips = ClipCounter(
             [
                 (range_limit(f.k, k_scale), range_limit(f.v, v_scale))
@@ -147,6 +150,8 @@ class KVCache:
             q, k = rotate_queries(q, rotation.keys), rotate(k, rotation.keys)
         if rotation.values is not None:  # the output is rotated back below
             v = rotate(v, rotation.values)
+        if self.rounds_queries[layer]:
+            q = round_queries(q)
         pools = self.layers[layer]
         tail = self.blocks.tail_kind
         self.clips.count(layer, k, v)

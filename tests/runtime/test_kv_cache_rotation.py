@@ -1,7 +1,9 @@
 """policy.rotation in the engine: the cache holds rotated K and V (llama.cpp's rotation: only the
 quantized streams), and the logits equal exact attention over K and V that went through the
 rotation, the format's round trip and the inverse rotation (a dense, cache-free oracle built
-from the kernels' references)."""
+from the kernels' references). Where keys are a llama.cpp type, the oracle's queries also go
+through the rotation and llama.cpp's q8_0 (the numpy port of ggml's x86 quantize_row_q8_0), as
+llama.cpp's flash attention rounds them before q.k."""
 
 from __future__ import annotations
 
@@ -27,18 +29,26 @@ def _round_trip(x: torch.Tensor, fmt) -> torch.Tensor:
     return dequantize_ref(*quantize_ref(x, fmt), fmt, None, x.shape[-1])
 
 
-def _through(x: torch.Tensor, rotation: Rotation | None, fmt) -> torch.Tensor:
+def _ggml_q8_0_round_trip(x: torch.Tensor, fmt=None) -> torch.Tensor:
+    """x through ggml's q8_0 blocks as llama.cpp's x86 CPU quantizes a query (numpy port)."""
+    blocks = llamacpp.quantize_row(x.float().numpy(), "q8_0")
+    return torch.from_numpy(llamacpp.dequantize_row(blocks, "q8_0"))
+
+
+def _through(
+    x: torch.Tensor, rotation: Rotation | None, fmt, round_trip=_round_trip
+) -> torch.Tensor:
     """x R -> quantize-dequantize -> R^T / gain (R: llama.cpp's fp32 transform as its CPU
     computes it, from the numpy port, where the rotation is llama.cpp's; else in fp64)."""
     if rotation is None:
-        return _round_trip(x, fmt)
+        return round_trip(x, fmt)
     matrix = rotation.matrix.double()
     if rotation.butterflies:
         rotated = llamacpp.mul_mat_hadamard(x.float().numpy(), rotation.butterflies)
         rotated = torch.from_numpy(np.ascontiguousarray(rotated))
     else:
         rotated = (x.double() @ matrix).float()
-    return (_round_trip(rotated, fmt).double() @ matrix.T / rotation.gain).float()
+    return (round_trip(rotated, fmt).double() @ matrix.T / rotation.gain).float()
 
 
 class _RotatedFakeQuantAttention:
@@ -59,6 +69,8 @@ class _RotatedFakeQuantAttention:
             for r, on in zip((rotation.keys, rotation.values), self.rotated, strict=True)
         )
         formats = self.formats[layer]
+        if formats.k.dtype in llamacpp.BLOCK_BYTES:  # llama.cpp's queries meet its K types in q8_0
+            q = _through(q, keys, None, _ggml_q8_0_round_trip).to(q.dtype)
         return self.dense(layer, q, _through(k, keys, formats.k), _through(v, values, formats.v))
 
 
