@@ -25,7 +25,7 @@ MAX_GROUP = 16  # decode_attention.c's MAX_GROUP: query heads a KV head serves
 MAX_DIM = 512  # decode_attention.c's MAX_DIM
 # Vectors of a sequence one thread reads before its partial softmax is merged: few enough that
 # a batch of one (a few KV heads) keeps every core busy, many enough that merging costs little.
-SPLIT_TOKENS = 512
+SPLIT_TOKENS = 256
 
 
 class _DecodeStream(ctypes.Structure):

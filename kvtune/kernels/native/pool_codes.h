@@ -27,6 +27,9 @@ enum {
   DECODE_FP16 = 6,         /* unquantized: IEEE binary16 values */
   DECODE_BF16 = 7,         /* unquantized: bfloat16 values */
   DECODE_FP32 = 8,         /* unquantized: fp32 values */
+  DECODE_PACKED = 9,       /* codes across byte boundaries: eight `bits`-bit codes in `bits`
+                              bytes, code j at bit j x bits of their little-endian word;
+                              decode_table[code] (3-bit and 5-bit codes) */
 };
 enum { SCALE_FP16 = 0, SCALE_FP32 = 1, SCALE_TABLE = 2 };
 #define MAX_GROUPS 512
@@ -37,7 +40,11 @@ typedef struct {
   int64_t block_size, heads, head_dim;
   int32_t decode;                  /* DECODE_* */
   int32_t per_byte;                /* codes a byte holds (DECODE_TABLE) */
-  const float *decode_table;       /* [256, per_byte]: the values of every byte (DECODE_TABLE) */
+  int32_t bits;                    /* bits a code takes (DECODE_PACKED) */
+  const float *decode_table;       /* [256, per_byte]: the values of every byte (DECODE_TABLE);
+                                      [2^bits]: the value of every code (DECODE_PACKED) */
+  const float *code_table;         /* [32]: the value of every code of 2 to 5 bits (zeros
+                                      after 2^bits), or NULL: the vector decode of such codes */
   const uint8_t *scales;           /* [num_blocks, block_size / rows, heads, groups (+ groups)] */
   int64_t scale_block, scale_row, scale_head; /* strides in bytes */
   int32_t scale_kind;              /* SCALE_*: how a stored scale reads */
@@ -123,22 +130,80 @@ static inline const uint8_t *code_row(const PoolCodes *p, int64_t id, int64_t to
 static inline void load_row_scales(const PoolCodes *p, int64_t id, int64_t token, int64_t head,
                                    RowScales *row) {
   const int64_t groups = p->groups, stored = p->zero_point ? 2 * groups : groups;
-  const uint8_t *src = p->scales + id * p->scale_block + (token / p->rows) * p->scale_row +
+  const int64_t scale_row = p->rows == 1 ? token : token / p->rows; /* no division per token */
+  const uint8_t *src = p->scales + id * p->scale_block + scale_row * p->scale_row +
                        head * p->scale_head;
   float *values = row->values;
   if (p->scale_kind == SCALE_FP16) {
+#ifdef HAVE_F16C
+    for (int64_t i = 0; i < stored; i++) { /* one instruction a scale, where half_at takes ten */
+      uint16_t half;
+      memcpy(&half, src + 2 * i, 2);
+      values[i] = _cvtsh_ss(half);
+    }
+#else
     for (int64_t i = 0; i < stored; i++) values[i] = half_at(src + 2 * i);
+#endif
   } else if (p->scale_kind == SCALE_FP32) {
     memcpy(values, src, 4 * stored);
   } else {
     for (int64_t i = 0; i < stored; i++) values[i] = p->scale_table[src[i]];
   }
-  if (!p->zero_point) memset(values + groups, 0, sizeof(float) * groups);
 }
+
+#ifdef HAVE_F16C
+/* Codes of 2 to 5 bits looked up in p->code_table, eight at a time: eight codes lie in `bits`
+ * bytes, code j at bit j x bits of their little-endian word (the layout of nibbles and of
+ * 2-bit codes as well), so shifting that word by j x bits in lane j gives the codes, and a
+ * permute per eight table entries their values. */
+static inline void decode_small_codes(const PoolCodes *p, const uint8_t *src, float *dst) {
+  const int32_t bits = p->bits;
+  const float *table = p->code_table;
+  const __m256 t0 = _mm256_loadu_ps(table), t1 = _mm256_loadu_ps(table + 8);
+  const __m256 t2 = _mm256_loadu_ps(table + 16), t3 = _mm256_loadu_ps(table + 24);
+  const __m256i mask = _mm256_set1_epi32((1 << bits) - 1);
+  /* 5-bit codes span 40 bits: codes 6 and 7 come from the word of bytes 1-4. */
+  const __m256i shifts =
+      bits == 5 ? _mm256_setr_epi32(0, 5, 10, 15, 20, 25, 22, 27)
+                : _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                     _mm256_set1_epi32(bits));
+  for (int64_t i = 0; i < p->head_dim / 8; i++) {
+    const uint8_t *chunk = src + i * bits;
+    /* Whole-width loads assembled in registers: bytes copied into part of a word in memory
+     * and read back as the word stall the load (no store forwarding). */
+    uint16_t pair;
+    memcpy(&pair, chunk, 2);
+    uint32_t low = pair, high = 0;
+    if (bits == 3) low |= (uint32_t)chunk[2] << 16;
+    if (bits >= 4) memcpy(&low, chunk, 4);
+    if (bits == 5) memcpy(&high, chunk + 1, 4);
+    const __m256i words = bits == 5 ? _mm256_setr_epi32(low, low, low, low, low, low, high, high)
+                                    : _mm256_set1_epi32(low);
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(words, shifts), mask);
+    /* A permute reads an index's low 3 bits; bits 3 and 4 choose among the table's eights. */
+    const __m256 bit3 = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28));
+    __m256 values = _mm256_permutevar8x32_ps(t0, codes);
+    if (bits >= 4)
+      values = _mm256_blendv_ps(values, _mm256_permutevar8x32_ps(t1, codes), bit3);
+    if (bits == 5) {
+      const __m256 upper = _mm256_blendv_ps(_mm256_permutevar8x32_ps(t2, codes),
+                                            _mm256_permutevar8x32_ps(t3, codes), bit3);
+      values = _mm256_blendv_ps(values, upper, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 27)));
+    }
+    _mm256_storeu_ps(dst + 8 * i, values);
+  }
+}
+#endif
 
 /* Element codes -> their code values (quantized) or values (unquantized). */
 static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float *dst) {
   const int64_t dim = p->head_dim;
+#ifdef HAVE_F16C
+  if (p->code_table && dim % 8 == 0) {
+    decode_small_codes(p, src, dst);
+    return;
+  }
+#endif
   switch (p->decode) {
     case DECODE_NIBBLES:
       for (int64_t i = 0; i < dim / 2; i++) {
@@ -198,6 +263,16 @@ static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float
     case DECODE_FP32:
       memcpy(dst, src, 4 * dim);
       break;
+    case DECODE_PACKED: {
+      const int64_t bits = p->bits;
+      const uint64_t mask = (1u << bits) - 1;
+      for (int64_t i = 0; i < dim / 8; i++) {
+        uint64_t word = 0;
+        memcpy(&word, src + i * bits, bits); /* little-endian hosts (x86, ARM) */
+        for (int64_t j = 0; j < 8; j++) dst[8 * i + j] = p->decode_table[(word >> (j * bits)) & mask];
+      }
+      break;
+    }
     default: {
       const int64_t per_byte = p->per_byte;
       for (int64_t i = 0; i < dim / per_byte; i++)
@@ -208,9 +283,10 @@ static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float
 }
 
 /* One stored vector: (code * scale + zero) * tensor scale, rounded after each operation as the
- * torch reference rounds it (built without contracting into fused multiply-adds); code * tensor
- * scale without group scales (a tensor scale of 1 is skipped: exact either way). row: the
- * vector's scale row (unused without group scales). */
+ * torch reference rounds it (built without contracting into fused multiply-adds), in passes
+ * over the vector that take vector instructions; code * tensor scale without group scales (a
+ * tensor scale of 1 is skipped: exact either way). row: the vector's scale row (unused
+ * without group scales). */
 static inline void decode_vector(const PoolCodes *p, const uint8_t *src, const RowScales *row,
                                  float *dst) {
   decode_elements(p, src, dst);
@@ -224,14 +300,23 @@ static inline void decode_vector(const PoolCodes *p, const uint8_t *src, const R
   const float *scale = row->values, *zero = row->values + p->groups;
   const int64_t width = dim / p->groups;
   if (width == 1) {
-    for (int64_t c = 0; c < dim; c++) dst[c] = (dst[c] * scale[c] + zero[c]) * tensor_scale;
-    return;
+    for (int64_t c = 0; c < dim; c++) dst[c] *= scale[c];
+  } else {
+    for (int64_t g = 0; g < p->groups; g++)
+      for (int64_t c = 0; c < width; c++) dst[g * width + c] *= scale[g];
   }
-  for (int64_t g = 0; g < p->groups; g++) {
-    const float s = scale[g], z = zero[g];
-    float *group = dst + g * width;
-    for (int64_t c = 0; c < width; c++) group[c] = (group[c] * s + z) * tensor_scale;
+  /* The reference adds no zero point where the format keeps none (adding 0 would turn -0 into
+   * +0), and multiplies by the tensor scale only where there is one. */
+  if (p->zero_point) {
+    if (width == 1) {
+      for (int64_t c = 0; c < dim; c++) dst[c] += zero[c];
+    } else {
+      for (int64_t g = 0; g < p->groups; g++)
+        for (int64_t c = 0; c < width; c++) dst[g * width + c] += zero[g];
+    }
   }
+  if (tensor_scale != 1.0f)
+    for (int64_t c = 0; c < dim; c++) dst[c] *= tensor_scale;
 }
 
 #endif

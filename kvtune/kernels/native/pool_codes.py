@@ -3,7 +3,8 @@ its elements and scales decode.
 
 An element format is decoded by arithmetic where that gives the format's own values (fp8 E4M3,
 E2M1, plain unsigned or signed codes: vectorized), else by a table of every byte's values made
-from the format's decode. Which arithmetic serves a format is not listed here: each candidate
+from the format's decode; codes that cross byte boundaries (3 and 5 bits) by a table of every
+code's value. Which arithmetic serves a format is not listed here: each candidate
 decode of the C header is run on every byte and kept only where it equals the format's decode
 bit for bit, so a new format takes the table until an arithmetic decode proves equal to it.
 One-byte scales decode by a table likewise."""
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtune.kernels.formats.int_codes import pack_codes_ref
 from kvtune.kernels.native.build import load_kernel
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 # pool_codes.h's DECODE_* and SCALE_*.
 DECODE_NIBBLES, DECODE_BYTES, DECODE_TABLE, DECODE_SIGNED_BYTES = 0, 1, 2, 3
 DECODE_E4M3, DECODE_E2M1 = 4, 5
+DECODE_PACKED = 9
 UNQUANTIZED_DECODES = {torch.float16: 6, torch.bfloat16: 7, torch.float32: 8}
 # Arithmetic decodes worth trying for codes of each width, fastest first.
 ARITHMETIC_DECODES = {
@@ -37,6 +40,7 @@ ARITHMETIC_DECODES = {
 }
 SCALE_KINDS = {torch.float16: 0, torch.float32: 1, torch.uint8: 2}
 MAX_GROUPS = 512  # pool_codes.h's MAX_GROUPS
+CODE_TABLE_SIZE = 32  # pool_codes.h's code_table: every 5-bit code
 
 
 class PoolCodes(ctypes.Structure):
@@ -53,7 +57,9 @@ class PoolCodes(ctypes.Structure):
         ("head_dim", ctypes.c_int64),
         ("decode", ctypes.c_int32),
         ("per_byte", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
         ("decode_table", ctypes.c_void_p),
+        ("code_table", ctypes.c_void_p),
         ("scales", ctypes.c_void_p),
         ("scale_block", ctypes.c_int64),
         ("scale_row", ctypes.c_int64),
@@ -73,8 +79,9 @@ class _Tables:
 
     decode: int
     per_byte: int
-    decode_table: torch.Tensor  # fp32 [256, per_byte]
+    decode_table: torch.Tensor  # fp32 [256, per_byte], or [2^bits] for DECODE_PACKED
     scale_table: torch.Tensor | None  # fp32 [256] for one-byte scales
+    code_table: torch.Tensor | None  # fp32 [CODE_TABLE_SIZE] for codes of 2 to 5 bits
 
 
 def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -102,27 +109,48 @@ def _arithmetic_decode(values: torch.Tensor, bits: int) -> int:
     return DECODE_TABLE
 
 
+def _code_table(fmt: KVFormat) -> torch.Tensor | None:
+    """The value of every code of a format whose codes take 2 to 5 bits (pool_codes.h's vector
+    decode of such codes), zeros after them; None for other widths."""
+    bits = fmt.element.bits
+    if not 2 <= bits <= 5:
+        return None
+    count = 2**bits
+    every_code = (torch.arange(max(count, 8)) % count).to(torch.uint8)  # whole chunks
+    values = fmt.element.decode(pack_codes_ref(every_code[None], bits))[0, :count]
+    table = torch.zeros(CODE_TABLE_SIZE)
+    table[:count] = values.float()
+    return table
+
+
 @functools.cache
 def _tables(fmt: KVFormat) -> _Tables | None:
-    """The decode tables of a quantized fmt, or None when a byte does not hold whole codes."""
+    """The decode tables of a quantized fmt, or None where its codes are not the C header's
+    layouts (whole codes in a byte, or eight codes in `bits` bytes)."""
     bits = fmt.element.bits
-    if 8 % bits:
-        return None
     every_byte = torch.arange(256, dtype=torch.uint8)
+    scale_table = None
+    if fmt.scale_torch_dtype == torch.uint8:
+        scale_table = fmt.scale_format.decode(every_byte).float().contiguous()
+    if 8 % bits:  # the format's decode of every code, packed as the format packs them
+        every_code = torch.arange(2**bits, dtype=torch.uint8)
+        if every_code.numel() % 8 or fmt.element.chunk != 8:
+            return None
+        values = fmt.element.decode(pack_codes_ref(every_code[None], bits))[0]
+        values = values.float().contiguous()
+        return _Tables(DECODE_PACKED, 0, values, scale_table, _code_table(fmt))
     values = fmt.element.decode(every_byte[:, None]).float().contiguous()
     per_byte = 8 // bits
     if values.shape != (256, per_byte):
         return None
-    scale_table = None
-    if fmt.scale_torch_dtype == torch.uint8:
-        scale_table = fmt.scale_format.decode(every_byte).float().contiguous()
-    return _Tables(_arithmetic_decode(values, bits), per_byte, values, scale_table)
+    decode = _arithmetic_decode(values, bits)
+    return _Tables(decode, per_byte, values, scale_table, _code_table(fmt))
 
 
 def _prepared(pool: KVPool) -> PoolCodes | None:
     """The fields fixed by pool (codes, scales, format), or None where the C decoder does not
-    apply: off the CPU, codes of whole bytes only, and for quantized formats only a value
-    that is code x group scale (+ zero point) (x tensor scale)."""
+    apply: off the CPU, and for quantized formats only a value that is code x group scale
+    (+ zero point) (x tensor scale)."""
     codes, scales, fmt = pool.codes, pool.scales, pool.fmt
     if codes.device.type != "cpu":
         return None
@@ -144,7 +172,11 @@ def _prepared(pool: KVPool) -> PoolCodes | None:
     if tables is None or not fmt.element.affine_decode or codes.dtype != torch.uint8:
         return None
     fields.update(
-        decode=tables.decode, per_byte=tables.per_byte, decode_table=tables.decode_table.data_ptr()
+        decode=tables.decode,
+        per_byte=tables.per_byte,
+        bits=fmt.element.bits,
+        decode_table=tables.decode_table.data_ptr(),
+        code_table=0 if tables.code_table is None else tables.code_table.data_ptr(),
     )
     if scales is None:  # one tensor scale, no group scales
         return PoolCodes(**fields)

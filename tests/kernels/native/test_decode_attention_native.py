@@ -7,8 +7,8 @@ streams of unequal lengths with their own logit biases, per-KV-head query masks,
 head_dim 64, in pools whose unread slots decode to NaN. A rotated cache reaches the kernel as
 any other stored vectors (queries are rotated before attention and outputs after), so its
 values need no case of their own. A sequence's output has the same bits in any batch; formats
-the kernel's decoder lacks (codes across byte boundaries, decodes other than code x scale +
-zero) fall back to the torch path."""
+the kernel's decoder lacks (decodes other than code x scale + zero) fall back to the torch
+path."""
 
 import dataclasses
 import math
@@ -60,10 +60,9 @@ needs_compiler = pytest.mark.skipif(
 
 
 def _served(fmt: KVFormat) -> bool:
-    """Whether the kernel's decoder serves fmt: unquantized, or whole codes in a byte decoded
-    as code x group scale (+ zero point)."""
-    element = fmt.element
-    return not fmt.quantized or (8 % element.bits == 0 and element.affine_decode)
+    """Whether the kernel's decoder serves fmt: unquantized, or codes of any width decoded as
+    code x group scale (+ zero point)."""
+    return not fmt.quantized or fmt.element.affine_decode
 
 
 def _poisoned_pool(fmt: KVFormat, num_blocks: int) -> KVPool:
@@ -287,9 +286,12 @@ def test_disabled_kernels_leave_the_torch_path(
         ("int8", pool_codes.DECODE_BYTES),
         ("int4_channel", pool_codes.DECODE_NIBBLES),
         ("iq4_nl", pool_codes.DECODE_TABLE),
+        ("int3", pool_codes.DECODE_PACKED),
+        ("q5_1", pool_codes.DECODE_PACKED),
     ],
 )
 def test_codes_decode_by_arithmetic_where_it_equals_the_format(name: str, decode: int) -> None:
     """E4M3, E2M1 and plain integer codes decode by arithmetic (checked against the format's
-    decode of every byte before use; a decode that differed would take the table)."""
+    decode of every byte before use; a decode that differed would take the table); 3-bit and
+    5-bit codes, across byte boundaries, by a table of every code."""
     assert pool_codes.pool_codes(_poisoned_pool(FORMATS[name], 1)).decode == decode

@@ -33,12 +33,10 @@ FORMATS = {
     "mxfp4_ties_away": KVFormat("fp4_ties_away", 32, "ue8m0"),
     "fp4_g16_token_pairs": KVFormat("fp4", 16, "fp16", token_group=2),
     "int8_symmetric_fp32": KVFormat("int8_symmetric", 64, "fp32"),
-    # llama.cpp's types whose codes fill whole bytes (5-bit codes take the torch path).
-    **{
-        f"{name}_g32": KVFormat(name, 32)
-        for name, element in ELEMENT_FORMATS.items()
-        if element.ggml_block and 8 % element.bits == 0
-    },
+    "int3_g32": KVFormat("int3", 32),
+    "int3_tq_g32": KVFormat("int3_tq", 32),
+    # llama.cpp's types (5-bit codes cross byte boundaries).
+    **{f"{name}_g32": KVFormat(name, 32) for name, e in ELEMENT_FORMATS.items() if e.ggml_block},
 }
 # No compiler here, or the kernels turned off (KVTUNE_NATIVE=0): the tests that need them skip.
 needs_compiler = pytest.mark.skipif(
