@@ -224,11 +224,12 @@ static inline void decode_elements(const PoolCodes *p, const uint8_t *src, float
           const __m128i codes = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(src + i)));
           const __m128i magnitude = _mm_and_si128(codes, _mm_set1_epi16(0x7f));
           const __m128i sign = _mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8);
-          const __m128i half = _mm_or_si128(sign, _mm_slli_epi16(magnitude, 7));
-          const __m256 value = _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f));
-          const __m256 nan = _mm256_castsi256_ps(
-              _mm256_cvtepi16_epi32(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f))));
-          _mm256_storeu_ps(dst + i, _mm256_blendv_ps(value, _mm256_set1_ps(NAN), nan));
+          /* The NaN codes (magnitude 0x7f) shift to a nonzero mantissa: all-ones exponent
+           * bits make that half a NaN, before the conversion rather than a blend after it. */
+          const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f)),
+                                            _mm_set1_epi16(0x7c00));
+          const __m128i half = _mm_or_si128(_mm_or_si128(sign, _mm_slli_epi16(magnitude, 7)), nan);
+          _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtph_ps(half), _mm256_set1_ps(256.0f)));
         }
         break;
       }
