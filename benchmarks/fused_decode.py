@@ -16,11 +16,16 @@ load drifts into both sides alike; every run's ratio is shown with their mean:
   positions with that growth and the tokens decoded while the batch prefills.
 
 Policies: fp16; fp8 (E4M3 in groups of 32 with fp16 scales); int4 (KIVI per-channel keys,
-Hadamard-rotated values in groups of 64). Below 1 the fused kernel is faster.
+Hadamard-rotated values in groups of 64); or any registry dtype at its default layout
+(`benchmarks.format_steps.registry_policy`). Below 1 the fused kernel is faster.
+
+--against fp16 times the op against the fused kernel over an fp16 stream of the same vectors
+instead of against the torch path (issue 41's second target, one layer's attention only; a
+whole step: `benchmarks.format_steps`).
 
     .venv/bin/python -m benchmarks.fused_decode [--runs 6] [--policies fp16,fp8,int4]
         [--batches 1,4,8] [--contexts 2048,8192] [--calls 20] [--seconds 0.3] [--steps 3]
-        [--timed op,step] [--markdown]
+        [--timed op,step] [--against torch] [--markdown]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from rich.console import Console
 
 from benchmarks.decoding import finish_running, random_prompts, start_decoding
+from benchmarks.format_steps import registry_policy
 from benchmarks.tables import print_rows
 from kvtune.kernels.attention.decode_torch import decode_attention_torch
 from kvtune.kernels.attention.paged import PagedStream
@@ -109,22 +115,36 @@ def filled_stream(policy: KVPolicy, batch: int, context: int, seed: int) -> Page
 
 
 def time_op(
-    policy: KVPolicy, batch: int, context: int, runs: int, calls: int, seconds: float
+    policy: KVPolicy,
+    batch: int,
+    context: int,
+    runs: int,
+    calls: int,
+    seconds: float,
+    against_fp16: bool = False,
 ) -> tuple[list[float], float]:
+    """Ratios of the fused kernel over the policy's stream to the torch path over it, or to
+    the fused kernel over an fp16 stream of the same vectors (against_fp16); and the other
+    side's mean seconds a call."""
     arch = arch_from_folder(resolve_model(MODEL))
-    stream = filled_stream(policy, batch, context, seed=batch * 100_000 + context)
+    seed = batch * 100_000 + context
+    stream = filled_stream(policy, batch, context, seed)
     q = torch.randn(batch, arch.num_attention_heads, arch.head_dim)
     starts = torch.arange(batch + 1, dtype=torch.int32)
     scale = arch.head_dim**-0.5
     fused_out = decode_attention_native(q, starts, [stream], scale)
     if fused_out is None:
         raise RuntimeError(f"{policy}: the fused kernel does not serve this cache")
-    torch_path = lambda: decode_attention_torch(q, starts, [stream], scale)  # noqa: E731
+    if against_fp16:
+        fp16 = filled_stream(POLICIES["fp16"], batch, context, seed)
+        other = lambda: decode_attention_native(q, starts, [fp16], scale)  # noqa: E731
+    else:
+        other = lambda: decode_attention_torch(q, starts, [stream], scale)  # noqa: E731
     return paired_ratios(
         lambda: decode_attention_native(q, starts, [stream], scale),
-        torch_path,
+        other,
         runs,
-        calls_for(torch_path, seconds, calls),
+        calls_for(other, seconds, calls),
     )
 
 
@@ -171,15 +191,21 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=3, help="engine steps a side per run")
     parser.add_argument("--timed", default="op,step", help="op, step or both")
+    parser.add_argument(
+        "--against", choices=("torch", "fp16"), default="torch", help="the op's other side"
+    )
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
+    if args.against == "fp16" and args.timed != "op":
+        parser.error("--against fp16 times the op only: --timed op")
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     timed = args.timed.split(",")
     console = Console(stderr=True)
     lines = []
+    head_dim = arch_from_folder(resolve_model(MODEL)).head_dim
     for name in args.policies.split(","):
-        policy = POLICIES[name]
+        policy = POLICIES[name] if name in POLICIES else registry_policy(name, head_dim)
         llm = None
         if "step" in timed:
             llm = LLM(
@@ -193,7 +219,15 @@ def main() -> None:
             for batch in batches:
                 timings = []
                 if "op" in timed:
-                    op = time_op(policy, batch, context, args.runs, args.calls, args.seconds)
+                    op = time_op(
+                        policy,
+                        batch,
+                        context,
+                        args.runs,
+                        args.calls,
+                        args.seconds,
+                        args.against == "fp16",
+                    )
                     timings.append(("op", op))
                 if llm is not None:
                     timings.append(("step", time_steps(llm, batch, context, args.runs, args.steps)))
@@ -210,7 +244,8 @@ def main() -> None:
                     console.log(" | ".join(line))
                     lines.append(line)
         del llm
-    headers = ["cache", "batch", "context", "timed", "torch path ms", "fused / torch, each run"]
+    other = "fp16 fused" if args.against == "fp16" else "torch path"
+    headers = ["cache", "batch", "context", "timed", f"{other} ms", f"fused / {other}, each run"]
     print_rows([*headers, "mean"], lines, args.markdown, Console())
 
 

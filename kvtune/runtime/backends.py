@@ -24,7 +24,7 @@ from kvtune.kernels.attention.merge import merge_attention
 from kvtune.kernels.attention.paged import PagedStream, stream_attention
 from kvtune.kernels.attention.paged_torch import cache_attention_torch
 from kvtune.kernels.cache.compress import compress_blocks, compress_blocks_ref
-from kvtune.kernels.cache.write import write_kv, write_kv_ref
+from kvtune.kernels.cache.write import write_kv, write_kv_torch
 from kvtune.kernels.selection.blocks import IndexProducts, index_products_torch
 from kvtune.kernels.selection.decode_scores import index_products
 from kvtune.runtime.errors import ConfigError
@@ -66,7 +66,7 @@ def cache_attention_triton(
 
 BACKENDS: dict[str, CacheOps] = {
     "torch": CacheOps(
-        write_kv_ref, compress_blocks_ref, cache_attention_torch, index_products_torch
+        write_kv_torch, compress_blocks_ref, cache_attention_torch, index_products_torch
     ),
     "triton": CacheOps(write_kv, compress_blocks, cache_attention_triton, index_products),
     "triton_tf32": CacheOps(

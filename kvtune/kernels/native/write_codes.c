@@ -1,0 +1,141 @@
+/* Quantizing a decode step's new keys or values into their pool on a CPU, one call a pool: the
+ * torch reference (kvtune/kernels/formats/quantize.py's quantize_ref, then the slot writes of
+ * write_vectors_ref) takes some forty small torch operations a call, which a decode step pays
+ * twice a layer. The same arithmetic in the same order (built without contracting multiplies
+ * and adds), so the codes and scales have the reference's bits; driven by
+ * kvtune/kernels/native/write_codes.py, which checks the format and every argument first.
+ *
+ * Formats: per-token groups with fp16 scales of asymmetric integer codes (a zero point after
+ * the scales), FP8 E4M3 or FP4 E2M1 codes (nearest even). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+enum { WRITE_UINT = 0, WRITE_E4M3 = 1, WRITE_E2M1 = 2 };
+#define MAX_DIM 1024
+
+typedef struct {
+  uint8_t *codes;          /* [num_blocks, block_size, heads, code bytes] */
+  int64_t code_block, code_token, code_head; /* strides in bytes */
+  uint8_t *scales;         /* [num_blocks, block_size, heads, groups (+ groups)] fp16 */
+  int64_t scale_block, scale_token, scale_head; /* strides in bytes */
+  int64_t num_blocks, block_size, heads, head_dim, group_size;
+  int32_t kind;            /* WRITE_* */
+  int32_t bits;            /* bits a code takes (8: one a byte; 2-5: packed little end first) */
+  float max_code;          /* the largest code value: 2^bits - 1, 448 or 6 */
+  float tensor_scale;      /* every value is divided by it first */
+} WritePool;
+
+#if defined(__F16C__)
+/* fp32 -> fp16 (nearest even, as torch's .half()) -> fp32, and its bits. */
+static inline uint16_t half_bits(float value) {
+  return (uint16_t)_cvtss_sh(value, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline float half_value(uint16_t bits) { return _cvtsh_ss(bits); }
+#endif
+
+/* E4M3 code of a value in code units: nearest even, saturating at 448, NaN -> 0x7f with the
+ * sign (quantize.py's encode_e4m3_fast through float8_e4m3fn). */
+static inline uint32_t e4m3_code(float x) {
+  const uint32_t sign = signbit(x) ? 0x80u : 0u;
+  if (isnan(x)) return sign | 0x7fu;
+  const float magnitude = fminf(fabsf(x), 448.0f);
+  if (magnitude < 0x1p-6f) return sign | (uint32_t)rintf(magnitude * 512.0f); /* 2^-9 steps */
+  int exponent;
+  frexpf(magnitude, &exponent); /* magnitude = f x 2^exponent, f in [0.5, 1) */
+  exponent -= 1;                /* magnitude in [2^exponent, 2^(exponent + 1)) */
+  float mantissa = rintf(ldexpf(magnitude, 3 - exponent)); /* 8..16, exact scaling */
+  if (mantissa == 16.0f) {
+    mantissa = 8.0f;
+    exponent += 1;
+  }
+  return sign | (uint32_t)((exponent + 7) << 3) | ((uint32_t)mantissa - 8u);
+}
+
+/* E2M1 nibble of a value in code units (fp_codes.py's encode_e2m1_fast): rounded half to even
+ * within its binade's step (0.5, 1, 2), saturating at 6, NaN -> 6, the sign bit kept. */
+static inline uint32_t e2m1_code(float x) {
+  const uint32_t sign = signbit(x) ? 0x8u : 0u;
+  const float magnitude = isnan(x) ? 6.0f : fminf(fabsf(x), 6.0f);
+  const float step = magnitude < 2.0f ? 0.5f : (magnitude < 4.0f ? 1.0f : 2.0f);
+  const float value = rintf(magnitude / step) * step;
+  const float code = value < 2.0f ? 2.0f * value : (value < 4.0f ? value + 2.0f : value / 2.0f + 4.0f);
+  return sign | (uint32_t)code;
+}
+
+/* Quantize one vector (already divided by the tensor scale) into its codes and scale row. */
+static void write_vector(const WritePool *p, const float *x, uint8_t *codes, uint8_t *scales) {
+  const int64_t dim = p->head_dim, size = p->group_size, groups = dim / size;
+  uint8_t values[MAX_DIM];
+  for (int64_t g = 0; g < groups; g++) {
+    const float *group = x + g * size;
+    float low = group[0], high = group[0], amax = fabsf(group[0]);
+    for (int64_t c = 1; c < size; c++) {
+      low = fminf(low, group[c]);
+      high = fmaxf(high, group[c]);
+      amax = fmaxf(amax, fabsf(group[c]));
+    }
+    float scale, zero = 0.0f;
+    uint16_t stored;
+    if (p->kind == WRITE_UINT) { /* zero point: the fp16 minimum; scale: span / max code */
+      const uint16_t stored_zero = half_bits(low);
+      zero = half_value(stored_zero);
+      memcpy(scales + 2 * (groups + g), &stored_zero, 2);
+      const float span = fmaxf(high - zero, 0.0f);
+      stored = half_bits(span / p->max_code);
+    } else {
+      stored = half_bits(amax / p->max_code);
+    }
+    memcpy(scales + 2 * g, &stored, 2);
+    scale = half_value(stored);
+    const float divisor = scale == 0.0f ? 1.0f : scale;
+    for (int64_t c = 0; c < size; c++) {
+      const float units = scale == 0.0f ? 0.0f : (group[c] - zero) / divisor;
+      uint32_t code;
+      if (p->kind == WRITE_UINT)
+        code = (uint32_t)rintf(fminf(fmaxf(units, 0.0f), p->max_code));
+      else if (p->kind == WRITE_E4M3)
+        code = e4m3_code(units);
+      else
+        code = e2m1_code(units);
+      values[g * size + c] = (uint8_t)code;
+    }
+  }
+  /* Codes little end first: eight codes fill `bits` bytes, code j at bit j x bits. */
+  const int64_t bits = p->bits;
+  for (int64_t i = 0; i < dim / 8; i++) {
+    uint64_t word = 0;
+    for (int64_t j = 0; j < 8; j++) word |= (uint64_t)values[8 * i + j] << (j * bits);
+    for (int64_t byte = 0; byte < bits; byte++) codes[i * bits + byte] = (uint8_t)(word >> (8 * byte));
+  }
+}
+
+/* Write vectors [n, heads, head_dim] (fp32, rows contiguous) into slots [n] (negative: skip).
+ * 0; 1 where a slot lies outside the pool (nothing is written then); 2 where this build has no
+ * fp16 conversion (no F16C: the torch path runs instead). */
+int kvtune_write_codes(const WritePool *p, const float *vectors, const int64_t *slots, int64_t n) {
+#if defined(__F16C__)
+  const int64_t num_slots = p->num_blocks * p->block_size;
+  for (int64_t i = 0; i < n; i++)
+    if (slots[i] >= num_slots) return 1;
+  float scaled[MAX_DIM];
+  for (int64_t i = 0; i < n; i++) {
+    if (slots[i] < 0) continue;
+    const int64_t block = slots[i] / p->block_size, token = slots[i] % p->block_size;
+    for (int64_t h = 0; h < p->heads; h++) {
+      const float *x = vectors + (i * p->heads + h) * p->head_dim;
+      for (int64_t c = 0; c < p->head_dim; c++) scaled[c] = x[c] / p->tensor_scale;
+      write_vector(p, scaled,
+                   p->codes + block * p->code_block + token * p->code_token + h * p->code_head,
+                   p->scales + block * p->scale_block + token * p->scale_token + h * p->scale_head);
+    }
+  }
+  return 0;
+#else
+  (void)p, (void)vectors, (void)slots, (void)n;
+  return 2;
+#endif
+}
