@@ -5,8 +5,10 @@
  * and adds), so the codes and scales have the reference's bits; driven by
  * kvtune/kernels/native/write_codes.py, which checks the format and every argument first.
  *
- * Formats: per-token groups with fp16 scales of asymmetric integer codes (a zero point after
- * the scales), FP8 E4M3 or FP4 E2M1 codes (nearest even). */
+ * Formats: per-token groups with fp16 scales and zero points of asymmetric integer codes
+ * (rounded half to even, or vLLM TurboQuant's halves up from the fp32 range); symmetric codes
+ * (FP8 E4M3, FP4 E2M1 nearest even or ties away, int8 halves away) with fp16 scales or fp32
+ * ones whose reciprocal multiplies. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -14,7 +16,14 @@
 #include <immintrin.h>
 #endif
 
-enum { WRITE_UINT = 0, WRITE_E4M3 = 1, WRITE_E2M1 = 2 };
+enum {
+  WRITE_UINT = 0,
+  WRITE_E4M3 = 1,
+  WRITE_E2M1 = 2,
+  WRITE_E2M1_AWAY = 3,
+  WRITE_INT8_SYMMETRIC = 4,
+  WRITE_UINT_HALF_UP = 5,
+};
 #define MAX_DIM 1024
 
 typedef struct {
@@ -25,9 +34,13 @@ typedef struct {
   int64_t num_blocks, block_size, heads, head_dim, group_size;
   int32_t kind;            /* WRITE_* */
   int32_t bits;            /* bits a code takes (8: one a byte; 2-5: packed little end first) */
-  float max_code;          /* the largest code value: 2^bits - 1, 448 or 6 */
+  int32_t fp32_scales;     /* symmetric kinds: fp32 scales (floored, reciprocal multiplies) */
+  float max_code;          /* the largest code value: 2^bits - 1, 448, 6 or 127 */
+  float floor;             /* the smallest exact scale (fp32 scales: 1e-6; fp16: 0) */
   float tensor_scale;      /* every value is divided by it first */
 } WritePool;
+
+#define HALF_UP_SCALE_FLOOR 1e-8f /* int_codes.py's HALF_UP_SCALE_FLOOR */
 
 #if defined(__F16C__)
 /* fp32 -> fp16 (nearest even, as torch's .half()) -> fp32, and its bits. */
@@ -66,6 +79,23 @@ static inline uint32_t e2m1_code(float x) {
   return sign | (uint32_t)code;
 }
 
+/* E2M1 nibble with halfway values away from zero (fp_codes.py's encode_e2m1_ties_away_ref):
+ * within each binade's step floor(m / step + 1/2) is exact in fp32; the sign for x < 0 only. */
+static inline uint32_t e2m1_away_code(float x) {
+  const float magnitude = fminf(fabsf(x), 6.0f);
+  const float step = magnitude < 2.0f ? 0.5f : (magnitude < 4.0f ? 1.0f : 2.0f);
+  const float value = floorf(magnitude / step + 0.5f) * step;
+  const float code = value < 2.0f ? 2.0f * value : (value < 4.0f ? value + 2.0f : value / 2.0f + 4.0f);
+  return (x < 0.0f ? 0x8u : 0u) | (uint32_t)code;
+}
+
+/* int8 byte of a value in code units (symmetric_int_codes.py): halves away from zero,
+ * clamped to [-128, 127]. */
+static inline uint32_t int8_symmetric_code(float x) {
+  const float code = fminf(fmaxf(truncf(x + (x >= 0.0f ? 0.5f : -0.5f)), -128.0f), 127.0f);
+  return (uint32_t)(uint8_t)(int8_t)code;
+}
+
 /* Quantize one vector (already divided by the tensor scale) into its codes and scale row. */
 static void write_vector(const WritePool *p, const float *x, uint8_t *codes, uint8_t *scales) {
   const int64_t dim = p->head_dim, size = p->group_size, groups = dim / size;
@@ -78,29 +108,46 @@ static void write_vector(const WritePool *p, const float *x, uint8_t *codes, uin
       high = fmaxf(high, group[c]);
       amax = fmaxf(amax, fabsf(group[c]));
     }
+    if (p->kind == WRITE_UINT_HALF_UP) { /* fp32 minimum and range; both stored in fp16 */
+      const float scale = fmaxf((high - low) / p->max_code, HALF_UP_SCALE_FLOOR);
+      const uint16_t stored_scale = half_bits(scale), stored_low = half_bits(low);
+      memcpy(scales + 2 * g, &stored_scale, 2);
+      memcpy(scales + 2 * (groups + g), &stored_low, 2);
+      for (int64_t c = 0; c < size; c++) {
+        const float code = fminf(fmaxf(truncf((group[c] - low) / scale + 0.5f), 0.0f), p->max_code);
+        values[g * size + c] = (uint8_t)code;
+      }
+      continue;
+    }
     float scale, zero = 0.0f;
-    uint16_t stored;
     if (p->kind == WRITE_UINT) { /* zero point: the fp16 minimum; scale: span / max code */
       const uint16_t stored_zero = half_bits(low);
       zero = half_value(stored_zero);
       memcpy(scales + 2 * (groups + g), &stored_zero, 2);
-      const float span = fmaxf(high - zero, 0.0f);
-      stored = half_bits(span / p->max_code);
+      const uint16_t stored = half_bits(fmaxf(high - zero, 0.0f) / p->max_code);
+      memcpy(scales + 2 * g, &stored, 2);
+      scale = half_value(stored);
+    } else if (p->fp32_scales) { /* the exact scale itself, floored */
+      scale = fmaxf(amax / p->max_code, p->floor);
+      memcpy(scales + 4 * g, &scale, 4);
     } else {
-      stored = half_bits(amax / p->max_code);
+      const uint16_t stored = half_bits(fmaxf(amax / p->max_code, p->floor));
+      memcpy(scales + 2 * g, &stored, 2);
+      scale = half_value(stored);
     }
-    memcpy(scales + 2 * g, &stored, 2);
-    scale = half_value(stored);
-    const float divisor = scale == 0.0f ? 1.0f : scale;
+    const float divisor = scale == 0.0f ? 1.0f : scale, inverse = 1.0f / divisor;
     for (int64_t c = 0; c < size; c++) {
-      const float units = scale == 0.0f ? 0.0f : (group[c] - zero) / divisor;
+      const float shifted = group[c] - zero;
+      const float quotient = p->fp32_scales ? shifted * inverse : shifted / divisor;
+      const float units = scale == 0.0f ? 0.0f : quotient;
       uint32_t code;
-      if (p->kind == WRITE_UINT)
-        code = (uint32_t)rintf(fminf(fmaxf(units, 0.0f), p->max_code));
-      else if (p->kind == WRITE_E4M3)
-        code = e4m3_code(units);
-      else
-        code = e2m1_code(units);
+      switch (p->kind) {
+        case WRITE_UINT: code = (uint32_t)rintf(fminf(fmaxf(units, 0.0f), p->max_code)); break;
+        case WRITE_E4M3: code = e4m3_code(units); break;
+        case WRITE_E2M1: code = e2m1_code(units); break;
+        case WRITE_E2M1_AWAY: code = e2m1_away_code(units); break;
+        default: code = int8_symmetric_code(units);
+      }
       values[g * size + c] = (uint8_t)code;
     }
   }

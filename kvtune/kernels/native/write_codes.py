@@ -1,7 +1,9 @@
 """The CPU kernel that quantizes new keys or values into their pool (write_codes.c): the bits of
 `kvtune.kernels.cache.pool.write_vectors_ref` in one call, where the reference's torch
-operations cost a decode step 0.3-0.5 ms a pool a layer. Serves per-token groups with fp16
-scales of asymmetric integer codes, FP8 E4M3 and FP4 E2M1 codes; other formats take the
+operations cost a decode step 0.3-0.5 ms a pool a layer. Serves per-token groups of
+asymmetric integer codes with fp16 scales and zero points, and of symmetric codes (E4M3, E2M1
+nearest even or ties away, int8) with fp16 or fp32 scales; other formats (llama.cpp's types,
+Lloyd-Max, zero-in-scale, two-scale E2M1, one-byte scales, token-grouped scales) take the
 reference."""
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ if TYPE_CHECKING:
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_DIM = 1024  # write_codes.c's MAX_DIM
-# write_codes.c's WRITE_* by the element format's CODE.
-KINDS = {element_formats.CODE_E4M3: 1, element_formats.CODE_E2M1: 2}
-UINT_KIND = 0
+# write_codes.c's WRITE_* of symmetric codes by the element format's CODE, and of the
+# asymmetric integer families (fp16 scales only).
+SYMMETRIC_KINDS = {
+    element_formats.CODE_E4M3: 1,
+    element_formats.CODE_E2M1: 2,
+    element_formats.CODE_E2M1_TIES_AWAY: 3,
+    element_formats.CODE_INT8_SYMMETRIC: 4,
+}
+FAMILY_KINDS = {element_formats.CODE_UINT: 0, element_formats.CODE_UINT_HALF_UP: 5}
 
 
 class _WritePool(ctypes.Structure):
@@ -44,29 +52,32 @@ class _WritePool(ctypes.Structure):
         ("group_size", ctypes.c_int64),
         ("kind", ctypes.c_int32),
         ("bits", ctypes.c_int32),
+        ("fp32_scales", ctypes.c_int32),
         ("max_code", ctypes.c_float),
+        ("floor", ctypes.c_float),
         ("tensor_scale", ctypes.c_float),
     ]
 
 
 def _kind(pool: KVPool) -> int | None:
     """write_codes.c's WRITE_* for pool's format, or None where the kernel does not serve it:
-    per-token groups with fp16 scales of asymmetric integer codes (rounded half to even), E4M3
-    or E2M1 (nearest even) codes, on the CPU."""
+    on the CPU, per-token groups of the families above, with fp16 scales (fp32 ones for the
+    symmetric codes)."""
     fmt, element = pool.fmt, pool.fmt.element
     if (
         not fmt.quantized
         or fmt.group_size is None
         or fmt.token_group != 1
-        or fmt.scale_torch_dtype != torch.float16
         or pool.codes.device.type != "cpu"
         or pool.head_dim > MAX_DIM
         or pool.head_dim % 8
     ):
         return None
-    if element.family == element_formats.CODE_UINT and element.zero_point:
-        return UINT_KIND
-    return KINDS.get(element.code)
+    if fmt.scale_torch_dtype == torch.float16 and element.family in FAMILY_KINDS:
+        return FAMILY_KINDS[element.family]
+    if fmt.scale_torch_dtype in (torch.float16, torch.float32):
+        return SYMMETRIC_KINDS.get(element.code)
+    return None
 
 
 def write_vectors_native(pool: KVPool, slots: torch.Tensor, vectors: torch.Tensor) -> bool:
@@ -78,6 +89,7 @@ def write_vectors_native(pool: KVPool, slots: torch.Tensor, vectors: torch.Tenso
     if library is None:
         return False
     codes, scales, fmt = pool.codes, pool.scales, pool.fmt
+    scale_bytes = scales.element_size()
     rows = vectors.float().contiguous()
     slot_ids = slots.to(torch.int64).contiguous()
     args = _WritePool(
@@ -86,9 +98,9 @@ def write_vectors_native(pool: KVPool, slots: torch.Tensor, vectors: torch.Tenso
         code_token=codes.stride(1),
         code_head=codes.stride(2),
         scales=scales.data_ptr(),
-        scale_block=scales.stride(0) * 2,
-        scale_token=scales.stride(1) * 2,
-        scale_head=scales.stride(2) * 2,
+        scale_block=scales.stride(0) * scale_bytes,
+        scale_token=scales.stride(1) * scale_bytes,
+        scale_head=scales.stride(2) * scale_bytes,
         num_blocks=codes.shape[0],
         block_size=codes.shape[1],
         heads=codes.shape[2],
@@ -96,7 +108,9 @@ def write_vectors_native(pool: KVPool, slots: torch.Tensor, vectors: torch.Tenso
         group_size=fmt.group_size,
         kind=kind,
         bits=fmt.element.bits,
+        fp32_scales=int(scales.dtype == torch.float32),
         max_code=fmt.max_code,
+        floor=fmt.scale_format.floor,
         tensor_scale=1.0 if pool.unit_tensor_scale else float(pool.tensor_scale),
     )
     failed = library.kvtune_write_codes(

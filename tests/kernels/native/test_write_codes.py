@@ -1,7 +1,8 @@
 """The CPU quantize-on-write kernel (kvtune/kernels/native/write_codes.c) against the torch
 reference writer (`write_vectors_ref`: quantize_ref, then the slot writes), bit for bit in
-codes and scales: every registered format at per-token groups of 32 and 16 with fp16 scales,
-and its tensor scale of 0.75 or none; vectors of mixed magnitudes (groups of zeros, negative
+codes and scales: every registered format at per-token groups of 32 and 16 with fp16 scales
+(and fp32, E4M3 and UE8M0 scales where the format takes them), and its tensor scale of 0.75 or
+none; vectors of mixed magnitudes (groups of zeros, negative
 zeros, values past E4M3's and E2M1's largest, groups spanning 1e-3 to 1e3). Formats the kernel
 does not serve leave the pool untouched and say so; the torch backend's writer gives the
 reference's bits either way."""
@@ -23,14 +24,20 @@ needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None or not build.native_enabled(SOURCE.stem),
     reason="no C compiler, or native kernels off: the torch path runs instead",
 )
-SERVED = {"int8", "int4", "int3", "int2", "fp8", "fp4"}
+ASYMMETRIC = {"int8", "int4", "int3", "int2", "int4_tq", "int3_tq"}  # fp16 scales only
+SYMMETRIC = {"fp8", "fp4", "fp4_ties_away", "int8_symmetric"}  # fp16 or fp32 scales
 
 
-def _format(name: str, group: int) -> KVFormat:
+def _format(name: str, group: int, scale_dtype: str | None = None) -> KVFormat:
     element = ELEMENT_FORMATS[name]
-    if element.whole_vector:
-        return KVFormat(name, DIM, element.scale_dtype or "fp16")
-    return KVFormat(name, group, element.scale_dtype or "fp16")
+    scale_dtype = scale_dtype or element.scale_dtype or "fp16"
+    return KVFormat(name, DIM if element.whole_vector else group, scale_dtype)
+
+
+def _served(fmt: KVFormat) -> bool:
+    if fmt.scale_dtype == "fp16":
+        return fmt.dtype in ASYMMETRIC | SYMMETRIC
+    return fmt.scale_dtype == "fp32" and fmt.dtype in SYMMETRIC
 
 
 def _vectors(n: int, seed: int) -> torch.Tensor:
@@ -50,24 +57,32 @@ def _pools(fmt: KVFormat, tensor_scale: float | None) -> tuple[KVPool, KVPool]:
     return tuple(KVPool.allocate(fmt, BLOCKS, BLOCK, HEADS, DIM, scale) for _ in range(2))
 
 
+SCALED = [
+    *[(n, None) for n, e in ELEMENT_FORMATS.items() if e.quantized],
+    *[(n, scale) for n in sorted(SYMMETRIC) for scale in ("fp32", "e4m3", "ue8m0")],
+]
+
+
 @needs_compiler
 @pytest.mark.parametrize("tensor_scale", [None, 0.75])
 @pytest.mark.parametrize("group", [32, 16])
-@pytest.mark.parametrize("name", [n for n, e in ELEMENT_FORMATS.items() if e.quantized])
-def test_writes_equal_the_reference_bit_for_bit(name: str, group: int, tensor_scale) -> None:
-    fmt = _format(name, group)
+@pytest.mark.parametrize("name,scale_dtype", SCALED)
+def test_writes_equal_the_reference_bit_for_bit(
+    name: str, scale_dtype: str | None, group: int, tensor_scale
+) -> None:
+    fmt = _format(name, group, scale_dtype)
     native, reference = _pools(fmt, tensor_scale)
     slots = torch.tensor([17, -1, 3, 95, 40, 41, 0])
     vectors = _vectors(len(slots), seed=group)
     before = native.codes.clone()
     served = write_vectors_native(native, slots, vectors)
-    assert served == (name in SERVED and fmt.scale_dtype == "fp16")
+    assert served == _served(fmt)
     write_vectors_ref(reference, slots, vectors)
     if not served:
         assert torch.equal(native.codes, before)
         return
     assert torch.equal(native.codes, reference.codes)
-    assert torch.equal(native.scales.view(torch.int16), reference.scales.view(torch.int16))
+    assert torch.equal(native.scales.view(torch.uint8), reference.scales.view(torch.uint8))
 
 
 @pytest.mark.parametrize("name", ["fp8", "int4", "lloyd3", "q4_0"])
