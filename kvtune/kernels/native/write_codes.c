@@ -8,7 +8,8 @@
  * Formats: per-token groups with fp16 scales and zero points of asymmetric integer codes
  * (rounded half to even, or vLLM TurboQuant's halves up from the fp32 range); symmetric codes
  * (FP8 E4M3, FP4 E2M1 nearest even or ties away, int8 halves away) with fp16 scales or fp32
- * ones whose reciprocal multiplies. */
+ * ones whose reciprocal multiplies; llama.cpp's q8_0, q4_0, q5_0, q4_1 and q5_1 by ggml's own
+ * arithmetic (kvtune/kernels/formats/ggml_codes.py). */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -23,6 +24,9 @@ enum {
   WRITE_E2M1_AWAY = 3,
   WRITE_INT8_SYMMETRIC = 4,
   WRITE_UINT_HALF_UP = 5,
+  WRITE_Q8_0 = 6,
+  WRITE_GGML_SIGNED = 7, /* q4_0, q5_0 */
+  WRITE_GGML_MIN = 8,    /* q4_1, q5_1 */
 };
 #define MAX_DIM 1024
 
@@ -96,12 +100,61 @@ static inline uint32_t int8_symmetric_code(float x) {
   return (uint32_t)(uint8_t)(int8_t)code;
 }
 
+/* ggml's multiplier id = 1 / d, one IEEE division; 0 where d is 0. */
+static inline float reciprocal_or_zero(float d) { return d == 0.0f ? 0.0f : 1.0f / d; }
+
+/* One group of a llama.cpp type (ggml_codes.py's parameters and encoders): its fp16 d (and
+ * minimum) stored at scales, its codes at values. */
+static void write_ggml_group(const WritePool *p, const float *group, int64_t size,
+                             int64_t groups, int64_t g, uint8_t *scales, uint8_t *values) {
+  /* The first element of largest magnitude, of the minimum and of the maximum. */
+  float amax = fabsf(group[0]), largest = group[0], low = group[0], high = group[0];
+  for (int64_t c = 1; c < size; c++) {
+    if (fabsf(group[c]) > amax) amax = fabsf(group[c]), largest = group[c];
+    if (group[c] < low) low = group[c];
+    if (group[c] > high) high = group[c];
+  }
+  const float levels = (float)(1 << (p->bits - 1)); /* 8 or 16 for the signed types */
+  const float top = (float)((1 << p->bits) - 1);     /* the largest code: 15 or 31 */
+  float d, id, minimum = 0.0f;
+  if (p->kind == WRITE_Q8_0) {
+    d = amax / 127.0f;
+    id = amax == 0.0f ? 0.0f : 127.0f / amax;
+  } else if (p->kind == WRITE_GGML_SIGNED) {
+    d = (amax == 0.0f ? 0.0f : largest) / -levels;
+    id = reciprocal_or_zero(d);
+  } else {
+    d = (high - low) / top;
+    id = reciprocal_or_zero(d);
+    minimum = low;
+    const uint16_t stored_min = half_bits(low);
+    memcpy(scales + 2 * (groups + g), &stored_min, 2);
+  }
+  const uint16_t stored = half_bits(d);
+  memcpy(scales + 2 * g, &stored, 2);
+  for (int64_t c = 0; c < size; c++) {
+    const float units = p->kind == WRITE_GGML_MIN ? (group[c] - minimum) * id : group[c] * id;
+    uint32_t code;
+    if (p->kind == WRITE_Q8_0)
+      code = (uint32_t)(uint8_t)(int8_t)fminf(fmaxf(rintf(units), -128.0f), 127.0f);
+    else if (p->kind == WRITE_GGML_SIGNED)
+      code = (uint32_t)fminf(fmaxf(truncf(units + (levels + 0.5f)), 0.0f), top);
+    else
+      code = (uint32_t)fminf(fmaxf(truncf(units + 0.5f), 0.0f), top);
+    values[c] = (uint8_t)code;
+  }
+}
+
 /* Quantize one vector (already divided by the tensor scale) into its codes and scale row. */
 static void write_vector(const WritePool *p, const float *x, uint8_t *codes, uint8_t *scales) {
   const int64_t dim = p->head_dim, size = p->group_size, groups = dim / size;
   uint8_t values[MAX_DIM];
   for (int64_t g = 0; g < groups; g++) {
     const float *group = x + g * size;
+    if (p->kind >= WRITE_Q8_0) {
+      write_ggml_group(p, group, size, groups, g, scales, values + g * size);
+      continue;
+    }
     float low = group[0], high = group[0], amax = fabsf(group[0]);
     for (int64_t c = 1; c < size; c++) {
       low = fminf(low, group[c]);

@@ -2,9 +2,9 @@
 `kvtune.kernels.cache.pool.write_vectors_ref` in one call, where the reference's torch
 operations cost a decode step 0.3-0.5 ms a pool a layer. Serves per-token groups of
 asymmetric integer codes with fp16 scales and zero points, and of symmetric codes (E4M3, E2M1
-nearest even or ties away, int8) with fp16 or fp32 scales; other formats (llama.cpp's types,
-Lloyd-Max, zero-in-scale, two-scale E2M1, one-byte scales, token-grouped scales) take the
-reference."""
+nearest even or ties away, int8) with fp16 or fp32 scales, and llama.cpp's q8_0, q4_0, q5_0,
+q4_1 and q5_1; other formats (iq4_nl, Lloyd-Max, zero-in-scale, two-scale E2M1, one-byte
+scales, token-grouped scales) take the reference."""
 
 from __future__ import annotations
 
@@ -30,7 +30,13 @@ SYMMETRIC_KINDS = {
     element_formats.CODE_E2M1_TIES_AWAY: 3,
     element_formats.CODE_INT8_SYMMETRIC: 4,
 }
-FAMILY_KINDS = {element_formats.CODE_UINT: 0, element_formats.CODE_UINT_HALF_UP: 5}
+FAMILY_KINDS = {
+    element_formats.CODE_UINT: 0,
+    element_formats.CODE_UINT_HALF_UP: 5,
+    element_formats.CODE_Q8_0: 6,
+    element_formats.CODE_GGML_SIGNED: 7,
+    element_formats.CODE_GGML_MIN: 8,
+}
 
 
 class _WritePool(ctypes.Structure):

@@ -24,7 +24,9 @@ needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None or not build.native_enabled(SOURCE.stem),
     reason="no C compiler, or native kernels off: the torch path runs instead",
 )
-ASYMMETRIC = {"int8", "int4", "int3", "int2", "int4_tq", "int3_tq"}  # fp16 scales only
+# fp16 scales only
+ASYMMETRIC = {"int8", "int4", "int3", "int2", "int4_tq", "int3_tq", "q8_0", "q4_0", "q5_0"}
+ASYMMETRIC |= {"q4_1", "q5_1"}
 SYMMETRIC = {"fp8", "fp4", "fp4_ties_away", "int8_symmetric"}  # fp16 or fp32 scales
 
 
