@@ -79,7 +79,7 @@ class _Tables:
 
     decode: int
     per_byte: int
-    decode_table: torch.Tensor  # fp32 [256, per_byte], or [2^bits] for DECODE_PACKED
+    decode_table: torch.Tensor  # fp32 [256, per_byte], or the code table for DECODE_PACKED
     scale_table: torch.Tensor | None  # fp32 [256] for one-byte scales
     code_table: torch.Tensor | None  # fp32 [CODE_TABLE_SIZE] for codes of 2 to 5 bits
 
@@ -132,13 +132,11 @@ def _tables(fmt: KVFormat) -> _Tables | None:
     scale_table = None
     if fmt.scale_torch_dtype == torch.uint8:
         scale_table = fmt.scale_format.decode(every_byte).float().contiguous()
-    if 8 % bits:  # the format's decode of every code, packed as the format packs them
-        every_code = torch.arange(2**bits, dtype=torch.uint8)
-        if every_code.numel() % 8 or fmt.element.chunk != 8:
+    if 8 % bits:  # codes across byte boundaries: the value of every code is the whole table
+        code_table = _code_table(fmt)
+        if code_table is None:
             return None
-        values = fmt.element.decode(pack_codes_ref(every_code[None], bits))[0]
-        values = values.float().contiguous()
-        return _Tables(DECODE_PACKED, 0, values, scale_table, _code_table(fmt))
+        return _Tables(DECODE_PACKED, 0, code_table, scale_table, code_table)
     values = fmt.element.decode(every_byte[:, None]).float().contiguous()
     per_byte = 8 // bits
     if values.shape != (256, per_byte):
