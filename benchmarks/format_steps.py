@@ -12,9 +12,9 @@ named in the table). Formats: every quantized element format of the registry at 
 layout (`KVPolicy(dtype, dtype)`: groups of 32 with fp16 scales, whole vectors or the
 format's own scale dtype where it needs them) and the formats table's equal-bytes policy.
 
-Each row is cached under kvtune's cache, keyed by its policy, shape, runs and steps, the
-runtime's and kernels' code and the machine, so that an interrupted run resumes where it
-stopped; --fresh measures every row again.
+Each row is cached under kvtune's cache, keyed by the model's files, its policy, shape, runs
+and steps, the runtime's and kernels' code and the machine, so that an interrupted run
+resumes where it stopped; --fresh measures every row again.
 
     .venv/bin/python -m benchmarks.format_steps [--formats fp8,int4,...] [--batches 1,4,8]
         [--contexts 2048,8192] [--runs 6] [--steps 4] [--fresh] [--markdown]
@@ -41,6 +41,7 @@ from kvtune.kernels.native.decode_attention import SOURCE
 from kvtune.kernels.native.pool_codes import pool_codes
 from kvtune.runtime import LLM, KVPolicy
 from kvtune.runtime.arch import ModelArch, arch_from_folder
+from kvtune.runtime.fingerprint import model_fingerprint
 from kvtune.runtime.kv_bytes import layer_formats
 from kvtune.runtime.model_source import resolve_model
 
@@ -115,7 +116,8 @@ def main() -> None:
     parser.add_argument("--fresh", action="store_true", help="measure cached rows again")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args()
-    arch = arch_from_folder(resolve_model(MODEL))
+    folder = resolve_model(MODEL)
+    arch, weights = arch_from_folder(folder), model_fingerprint(folder)
     policies = format_policies(args.formats.split(",") if args.formats else None, arch.head_dim)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -135,7 +137,7 @@ def main() -> None:
             for name, policy in policies.items():
                 key = {
                     "benchmark": "format_steps",
-                    "model": MODEL,
+                    "model": weights,
                     "policy": policy.to_dict(),
                     "batch": batch,
                     "prompt_len": prompt_len,
